@@ -1,0 +1,290 @@
+"""
+The policy: one decoder-only Transformer for the Llama / Qwen2 / Qwen3 family.
+
+    token ids -> embed_tokens -> N x [RMSNorm -> attention (GQA, RoPE) -> + ->
+                                     RMSNorm -> SwiGLU MLP -> +] -> RMSNorm -> lm_head -> logits
+
+The three families differ only in switches of GPTConfig:
+    Llama / SmolLM : no qkv bias, no q/k norm, tied or untied head, rope_theta
+    Qwen2 / Qwen2.5: qkv bias (attention_bias=True)
+    Qwen3          : q/k RMSNorm per head (qk_norm=True), explicit head_dim
+Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.q_proj.weight, ...)
+so a state_dict maps one-to-one onto a safetensors file, in and out.
+Tiny configs of the same class are the offline demo's policy.
+"""
+
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 264
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0              # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama-3.1 style {"rope_type": "llama3", ...}; None = plain RoPE
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False   # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False          # Qwen3: RMSNorm on each head's q and k before RoPE
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalize in fp32 (as the reference implementations do), scale in the input dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config):
+    """Inverse frequencies of RoPE, (head_dim/2,), with Llama-3.1 frequency scaling if asked."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: none, 'llama3')")
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen) - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(is_mid, blended, scaled).float()
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, H, T, D); cos/sin: (B, 1, T, D). "rotate half" layout, as in the HF checkpoints
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_head * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_head * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_past + T, D)
+        # GQA: each group of n_head / n_kv_head query heads reads the same k/v head
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+            layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
+            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def init_weights(self, seed=0):
+        """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            else:
+                # residual-branch outputs get the GPT-2 1/sqrt(2 * n_layer) shrink
+                std = 0.02 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def rope(self, positions):
+        """cos, sin of shape (B, 1, T, head_dim) for integer positions (B, T); computed in fp32."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """
+        idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
+        With a cache (see engine.KVCache), rows may be left-padded: the cache knows each row's
+        pad count, so positions and the attention mask skip the padding.
+        targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
+        loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
+        or logits (B, T, V) when targets is None.
+        """
+        B, T = idx.shape
+        if kv_cache is None:
+            positions = torch.arange(T, device=idx.device).expand(B, T)
+            attn_mask = None  # plain causal; right padding never leaks into earlier tokens
+        else:
+            positions, attn_mask = kv_cache.positions_and_mask(T)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(idx)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, attn_mask, kv_cache)
+        x = self.model.norm(x)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        # NLL in fp32 so that tiny log-prob differences survive bf16 autocast
+        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                              ignore_index=-1, reduction="none").view(B, T)
+        if loss_reduction == "none":
+            return nll
+        assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
+        return nll.sum() / (targets >= 0).sum().clamp(min=1)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
+        """A local Hugging Face folder (config.json + model.safetensors or a sharded index)."""
+        import json, os
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "config.json")) as f:
+            config = config_from_hf(json.load(f))
+        with torch.device("meta"):  # no random init, no second copy: weights are assigned below
+            model = cls(config)
+        index = os.path.join(path, "model.safetensors.index.json")
+        files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+        state = {}
+        for name in files:
+            state.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(os.path.join(path, name)).items()})
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k, v in model.state_dict().items() if v.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
+        model.inv_freq = rope_inv_freq(config).to(device)
+        return model
+
+    def save_pretrained(self, path):
+        """Write a folder transformers loads as it is: config.json + model.safetensors (fp32 or the model's dtype)."""
+        import json, os
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight")  # safetensors refuses shared storage; the config says "tied"
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config_to_hf(self.config), f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def config_from_hf(hf):
+    """GPTConfig from a Hugging Face config.json dict; unknown families fail with one line."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {kind!r} (supported: {', '.join(ARCHITECTURES)})")
+    fields = {f: hf[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "rms_norm_eps", "max_position_embeddings") if f in hf}
+    fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    fields["head_dim"] = hf.get("head_dim") or 0
+    fields["rope_theta"] = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    fields["rope_scaling"] = hf.get("rope_scaling")
+    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
+    fields["attention_bias"] = kind == "qwen2" or bool(hf.get("attention_bias", False))
+    fields["qk_norm"] = kind == "qwen3"
+    if kind == "llama" and hf.get("attention_bias"):
+        raise ValueError("Llama with attention_bias=True (bias on o_proj too) is not supported")
+    return GPTConfig(**fields)
+
+
+def config_to_hf(config):
+    kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
+    hf = {f: getattr(config, f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                          "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")}
+    hf.update(model_type=kind, architectures=[ARCHITECTURES[kind]], hidden_act="silu", torch_dtype="float32")
+    if kind != "qwen2":
+        hf["attention_bias"] = False
+    return hf

@@ -1,0 +1,46 @@
+"""
+What a task is: where its problems come from, how one becomes a prompt, and how a completion is scored.
+
+A task is a module in this package with these names (a module, not a class: one obvious home):
+    load(split, limit=None) -> list[dict]  rows in the data set's own schema; split is "train" or "test"
+    prompt(row) -> str                      the user message the policy sees
+    reference(row) -> str                   the row's final answer, as a string
+    extract_answer(completion) -> str|None  the answer the completion commits to
+    grade(completion, reference) -> bool    the verifier: pure, deterministic, never raises
+    format_ok(completion) -> bool           the answer given once, in the required form, at the end
+Optional: solution(row) -> str, a worked solution ending in the answer (supervised warm-up).
+
+`get_task(name)` imports a task module lazily, so `--task=arith` never imports `datasets`.
+"""
+
+import importlib
+
+TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith"}
+
+
+def get_task(name):
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r} (choose from {', '.join(TASKS)})")
+    return importlib.import_module(TASKS[name])
+
+
+def conversation(task, row, with_solution=False):
+    """A row as a chat conversation; with_solution appends the worked solution as the assistant turn."""
+    messages = [{"role": "user", "content": task.prompt(row)}]
+    if with_solution:
+        messages.append({"role": "assistant", "content": task.solution(row)})
+    return {"messages": messages}
+
+
+def rewards(task, completion, reference, format_weight=0.0):
+    """
+    The reward terms of one completion:
+        answer = 1 if the verifier accepts the final answer else 0
+        format = 1 if the answer is given once, in the required form, at the end else 0
+        total  = answer + format_weight * format
+    format_weight defaults to 0 (nanochat's pure answer reward): a format bonus is the easiest
+    term for a policy to farm, so it is opt-in. Returns a dict of floats.
+    """
+    answer = float(task.grade(completion, reference))
+    fmt = float(task.format_ok(completion))
+    return {"answer": answer, "format": fmt, "total": answer + format_weight * fmt}
