@@ -1,0 +1,94 @@
+"""
+Builds the offline demo's starting policy: a ~0.8M-parameter model of gpt.py's class, supervised on
+the procedural arithmetic task (tasks/arith.py) until it is competent but unreliable.
+
+Why unreliable on purpose: RL from a verifier only learns from groups whose samples disagree.
+A merely weak model gets every sample of most problems wrong (no signal); a perfect one gets them
+all right (nothing to learn). So the demonstrations mix clean worked solutions with a share
+(SLIP_RATE) whose one arithmetic step is off by 1-3, the slip carried to a wrong final answer.
+The supervised model then knows the procedure but slips now and then when sampled, and RL's job
+is to make it stop slipping: RL with a verifier ends up better than its teacher.
+
+    python -m make_demo_model                 # writes demo_model/ (HF folder), minutes on a CPU
+    python -m make_demo_model --seed=1 --out=/tmp/m
+
+chat_rl.py calls build() itself when demo_model/ is missing, so a fresh machine needs nothing else.
+"""
+
+import argparse
+import random
+import time
+
+import torch
+
+from gpt import GPT, GPTConfig
+from tasks import arith
+from tasks.common import conversation
+from tokenizer import ByteTokenizer
+
+# ---- hyperparameters -----------------------------------------------------------------------
+CONFIG = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+SLIP_RATE = 0.25      # share of demonstrations with one arithmetic slip
+NUM_STEPS = 1500
+BATCH_SIZE = 32
+LR = 3e-3
+WARMUP = 50
+SEED = 0
+OUT = "demo_model"
+
+
+def batch_of(rows, tokenizer, rng):
+    """Render a list of rows into (inputs, targets); targets are -1 outside the assistant's answer."""
+    seqs = []
+    for row in rows:
+        conv = conversation(arith, row, with_solution=True)
+        if rng.random() < SLIP_RATE:
+            conv["messages"][-1]["content"] = arith.solution_with_slip(row, rng)
+        ids, mask = tokenizer.render_conversation(conv)
+        seqs.append((ids, mask))
+    T = max(len(ids) for ids, _ in seqs) - 1
+    inputs = torch.zeros(len(seqs), T, dtype=torch.long)
+    targets = torch.full((len(seqs), T), -1, dtype=torch.long)
+    for i, (ids, mask) in enumerate(seqs):
+        n = len(ids) - 1
+        inputs[i, :n] = torch.tensor(ids[:-1])
+        # predict token t+1 from tokens <= t, only where token t+1 is the assistant's
+        targets[i, :n] = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:])])
+    return inputs, targets
+
+
+def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, log=print):
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = ByteTokenizer()
+    model = GPT(GPTConfig(**CONFIG)).init_weights(seed)
+    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, slip rate {SLIP_RATE}")
+    rows = arith.load("train", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
+    t0 = time.time()
+    for step in range(num_steps):
+        lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)  # warmup, then linear decay to 0
+        for group in opt.param_groups:
+            group["lr"] = lr
+        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng)
+        loss = model(inputs, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == num_steps - 1:
+            log(f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | {time.time() - t0:.0f}s")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out) if hasattr(tokenizer, "save_pretrained") else None
+    return model
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--num-steps", type=int, default=NUM_STEPS)
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    build(args.out, args.seed, args.num_steps)

@@ -1,0 +1,128 @@
+"""
+An offline task: procedurally generated GSM8K-style word problems, so the whole RL loop runs with
+no hub and no internet.
+
+    Q: Ava has 23 pens. She buys 4 boxes with 6 pens in each. Then she gives away 9 pens.
+       How many pens does Ava have now?
+    A: 4*6=24
+       23+24=47
+       47-9=38
+       #### 38
+
+Rows use GSM8K's schema ({"question", "answer": "<steps>\\n#### N"}) and GSM8K's verifier, so the
+demo exercises exactly the code a GSM8K run uses. Generation is deterministic by seed, and a
+problem's split is decided by a hash of its numbers: no test problem's arithmetic ever appears
+in training, whatever the names and objects around it.
+
+`solution_with_slip` writes the same worked solution with one arithmetic step off by a little,
+the error carried through to a wrong final answer. Supervised on a mix of clean and slipped
+solutions, a tiny model becomes competent but unreliable when sampled: exactly the starting point
+where RL with a verifier has signal to work with (see make_demo_model.py).
+"""
+
+import hashlib
+import random
+
+from tasks import gsm8k
+
+NAMES = ["Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim", "Leo", "Mia", "Ned", "Ola", "Pam", "Raj"]
+THINGS = ["pens", "apples", "cards", "books", "shells", "stamps", "coins", "eggs", "beads", "marbles"]
+TEST_FRACTION = 0.2  # share of the number space reserved for the test split
+
+
+def _problem(kind, nums, name, thing, slip_at=-1, delta=0):
+    """(question, solution lines, answer). The step numbered slip_at gets `delta` added to its result."""
+    steps = []
+
+    def step(x, op, y):
+        value = {"+": x + y, "-": x - y, "*": x * y, "/": x // y}[op]
+        if len(steps) == slip_at:
+            value += delta
+        steps.append(f"{x}{op}{y}={value}")
+        return value
+
+    if kind == 0:
+        a, b, c, d = nums
+        q = (f"{name} has {a} {thing}. {name} buys {b} boxes with {c} {thing} in each. "
+             f"Then {name} gives away {d} {thing}. How many {thing} does {name} have now?")
+        answer = step(step(a, "+", step(b, "*", c)), "-", d)
+    elif kind == 1:
+        n, p, bill = nums
+        q = f"{thing.capitalize()} cost ${p} each. {name} buys {n} and pays with ${bill}. How much change does {name} get?"
+        answer = step(bill, "-", step(n, "*", p))
+    elif kind == 2:
+        a, b, k = nums
+        q = (f"{name} reads {a} pages on Monday and {b} pages on Tuesday. On Wednesday {name} reads "
+             f"{k} times as many pages as on Monday. How many pages did {name} read in all?")
+        wed = step(k, "*", a)
+        answer = step(step(a, "+", b), "+", wed)
+    else:
+        g, s, m, t = nums
+        q = (f"A club has {g} groups of {s} kids. {m} kids leave. The rest form {t} equal teams. "
+             f"How many kids are on each team?")
+        answer = step(step(step(g, "*", s), "-", m), "/", t)
+    return q, steps, answer
+
+
+def _numbers(kind, rng):
+    if kind == 0:
+        return (rng.randint(10, 60), rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9))
+    if kind == 1:
+        n, p = rng.randint(2, 9), rng.randint(2, 12)
+        return (n, p, rng.choice([b for b in (20, 50, 100, 200) if b > n * p]))
+    if kind == 2:
+        return (rng.randint(5, 60), rng.randint(5, 60), rng.randint(2, 4))
+    g, s, t = rng.randint(2, 9), rng.randint(3, 9), rng.randint(2, 5)
+    r = (g * s) % t  # m = r + t*j leaves a multiple of t kids, so teams come out even
+    m = r + t * rng.randint(0, (g * s - r) // t - 1)
+    return (g, s, m or t, t)
+
+
+def _split_of(kind, nums):
+    h = hashlib.sha256(repr((kind, nums)).encode()).digest()
+    return "test" if h[0] < 256 * TEST_FRACTION else "train"
+
+
+def load(split, limit=None, seed=0):
+    """`limit` problems (default 20000 train / 500 test) of one split, the same for the same seed."""
+    if split not in ("train", "test"):
+        raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
+    n = limit or (20000 if split == "train" else 500)
+    rng = random.Random(f"arith-{split}-{seed}")
+    rows, seen = [], set()
+    while len(rows) < n:
+        kind = rng.randrange(4)
+        nums = _numbers(kind, rng)
+        if _split_of(kind, nums) != split or (split == "test" and (kind, nums) in seen):
+            continue  # test problems are distinct, so pass@1 over N rows means N problems
+        seen.add((kind, nums))
+        name, thing = rng.choice(NAMES), rng.choice(THINGS)
+        q, steps, answer = _problem(kind, nums, name, thing)
+        rows.append({"question": q, "answer": "\n".join(steps) + f"\n#### {answer}",
+                     "kind": kind, "nums": list(nums), "name": name, "thing": thing})
+    return rows
+
+
+def prompt(row):
+    return row["question"]
+
+
+def reference(row):
+    return gsm8k.extract_answer(row["answer"])
+
+
+def solution(row):
+    return row["answer"]
+
+
+def solution_with_slip(row, rng):
+    """The worked solution with one step's result off by 1-3 (never 0), carried to the end."""
+    num_steps = row["answer"].count("\n")
+    delta = rng.choice([-3, -2, -1, 1, 2, 3])
+    _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"],
+                                slip_at=rng.randrange(num_steps), delta=delta)
+    return "\n".join(steps) + f"\n#### {answer}"
+
+
+# the verifier is GSM8K's: the demo trains against exactly the rule a GSM8K run uses
+extract_answer, grade, format_ok = gsm8k.extract_answer, gsm8k.grade, gsm8k.format_ok
