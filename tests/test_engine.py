@@ -1,0 +1,107 @@
+"""The KV-cached engine: same answers as a plain forward pass, batched or not, seeded, independent rows."""
+
+import pytest
+import torch
+
+from engine import Engine
+from gpt import GPT, GPTConfig
+from tokenizer import ByteTokenizer
+
+STOP = 260  # <|assistant_end|> of the byte tokenizer
+
+
+class NoStopTokenizer(ByteTokenizer):
+    def __init__(self):
+        super().__init__()
+        self.stop_tokens = set()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    return GPT(config).init_weights(3).eval()
+
+
+PROMPTS = [[256, 72, 105, 33], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256, 50]]
+
+
+def reference_greedy(model, prompt, max_tokens, stop_tokens, vocab):
+    """Greedy decoding by re-running the whole sequence every token: no cache, no padding."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids]))[0, -1]
+        logits[vocab:] = float("-inf")
+        token = int(logits.argmax())
+        if token in stop_tokens:
+            break
+        ids.append(token)
+    return ids
+
+
+def test_greedy_output_equals_no_cache_reference(model):
+    tok = ByteTokenizer()
+    seqs, masks = Engine(model, tok).generate_batch(PROMPTS, num_samples=1, max_tokens=24, temperature=0.0)
+    for prompt, seq, mask in zip(PROMPTS, seqs, masks):
+        assert seq == reference_greedy(model, prompt, 24, tok.stop_tokens, tok.vocab_size)
+        assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
+
+
+def test_batching_prompts_gives_the_same_greedy_output_as_one_at_a_time(model):
+    engine = Engine(model, ByteTokenizer())
+    batched, _ = engine.generate_batch(PROMPTS, num_samples=2, max_tokens=20, temperature=0.0)
+    for i, prompt in enumerate(PROMPTS):
+        alone, _ = engine.generate_batch([prompt], num_samples=1, max_tokens=20, temperature=0.0)
+        assert batched[2 * i] == alone[0] and batched[2 * i + 1] == alone[0]
+
+
+def test_samples_of_one_prompt_differ(model):
+    seqs, _ = Engine(model, ByteTokenizer()).generate_batch([PROMPTS[0]], num_samples=8, max_tokens=16, temperature=1.0, seed=1)
+    assert len({tuple(s) for s in seqs}) == 8
+
+
+def test_same_seed_same_samples_other_seed_other_samples(model):
+    engine = Engine(model, ByteTokenizer())
+    a, _ = engine.generate_batch(PROMPTS, num_samples=3, max_tokens=12, temperature=1.0, seed=5)
+    b, _ = engine.generate_batch(PROMPTS, num_samples=3, max_tokens=12, temperature=1.0, seed=5)
+    c, _ = engine.generate_batch(PROMPTS, num_samples=3, max_tokens=12, temperature=1.0, seed=6)
+    assert a == b and a != c
+
+
+def test_results_are_prompt_major(model):
+    seqs, _ = Engine(model, ByteTokenizer()).generate_batch(PROMPTS, num_samples=3, max_tokens=4, temperature=1.0)
+    for i, prompt in enumerate(PROMPTS):
+        for s in seqs[3 * i:3 * i + 3]:
+            assert s[:len(prompt)] == prompt
+
+
+def test_without_stop_tokens_every_row_gets_exactly_max_tokens(model):
+    seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=2, max_tokens=9, temperature=1.0)
+    assert [sum(m) for m in masks] == [9] * 6
+
+
+def test_finished_rows_do_not_change_the_other_rows(model):
+    # Make a frequent token the stop token: rows that sample it finish early. Every row must equal
+    # the same row sampled with no stop token at all, cut at its first stop token.
+    free, _ = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=4, max_tokens=30, temperature=1.5, seed=2)
+    stopper = NoStopTokenizer()
+    generated = [t for s, p in zip(free, [p for p in PROMPTS for _ in range(4)]) for t in s[len(p):]]
+    stopper.stop_tokens = {max(set(generated), key=generated.count)}
+    stopped, _ = Engine(model, stopper).generate_batch(PROMPTS, num_samples=4, max_tokens=30, temperature=1.5, seed=2)
+    finished_early = 0
+    prompt_lens = [len(p) for p in PROMPTS for _ in range(4)]
+    for f, s, n in zip(free, stopped, prompt_lens):
+        assert f[:len(s)] == s
+        assert not set(s[n:]) & stopper.stop_tokens
+        if len(s) < len(f):
+            finished_early += 1
+            assert f[len(s)] in stopper.stop_tokens  # it stopped exactly at its first stop token
+    assert finished_early >= 2
+
+
+def test_top_k_one_is_greedy(model):
+    engine = Engine(model, ByteTokenizer())
+    greedy, _ = engine.generate_batch(PROMPTS, num_samples=1, max_tokens=10, temperature=0.0)
+    top1, _ = engine.generate_batch(PROMPTS, num_samples=1, max_tokens=10, temperature=1.0, top_k=1, seed=9)
+    assert greedy == top1
