@@ -13,12 +13,16 @@ so a state_dict maps one-to-one onto a safetensors file, in and out.
 Tiny configs of the same class are the offline demo's policy.
 """
 
+import json
 import math
+import os
 from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 @dataclass
@@ -217,69 +221,131 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
-        """A local Hugging Face folder (config.json + model.safetensors or a sharded index)."""
-        import json, os
-        from safetensors.torch import load_file
-        with open(os.path.join(path, "config.json")) as f:
-            config = config_from_hf(json.load(f))
-        with torch.device("meta"):  # no random init, no second copy: weights are assigned below
+    def from_pretrained(cls, name_or_dir, device="cpu", dtype=torch.float32):
+        """
+        A Hugging Face checkpoint of the Llama / Qwen2 / Qwen3 family: a hub id
+        ("Qwen/Qwen2.5-0.5B-Instruct") or a local folder with config.json + safetensors (one file,
+        or shards listed in model.safetensors.index.json). dtype=None keeps the stored dtype.
+        The model is built on the meta device (no random init, no memory) and each tensor is read
+        from the file on its own, converted, and put in place: the peak is the model plus one tensor.
+        """
+        path = resolve_folder(name_or_dir)
+        config = config_from_hf(_read_json(os.path.join(path, "config.json")))
+        with torch.device("meta"):
             model = cls(config)
-        index = os.path.join(path, "model.safetensors.index.json")
-        files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
-        state = {}
-        for name in files:
-            state.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(os.path.join(path, name)).items()})
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt") as f:  # memory-mapped: nothing is read until asked for
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue  # recomputed / the same tensor as embed_tokens.weight
+                    try:
+                        expected = model.get_parameter(name)
+                    except AttributeError:
+                        raise ValueError(f"{file} holds {name!r}, which this architecture does not have") from None
+                    tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                    if tensor.shape != expected.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected.shape)}")
+                    module_name, _, attr = name.rpartition(".")
+                    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
         if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [k for k, v in model.state_dict().items() if v.is_meta]
+            model.lm_head.weight = model.model.embed_tokens.weight  # the tie broke when embed_tokens was replaced
+        missing = [name for name, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
     def save_pretrained(self, path):
-        """Write a folder transformers loads as it is: config.json + model.safetensors (fp32 or the model's dtype)."""
-        import json, os
-        from safetensors.torch import save_file
+        """
+        Write a folder transformers (and vLLM) load as it is: config.json + model.safetensors in the
+        dtype the model holds. The tokenizer's save_pretrained adds its files and generation_config.json.
+        """
         os.makedirs(path, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight")  # safetensors refuses shared storage; the config says "tied"
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})  # "pt": what transformers expects
+        hf = config_to_hf(self.config)
+        hf["torch_dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config_to_hf(self.config), f, indent=2)
+            json.dump(hf, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# what a hub download fetches: weights, config, tokenizer, chat template, stop tokens (not *.bin, not *.gguf)
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+
+
+def resolve_folder(name_or_dir):
+    """A local folder as it is; a hub id ("Qwen/Qwen2.5-0.5B-Instruct") is fetched into the HF cache first."""
+    if os.path.isdir(name_or_dir):
+        return name_or_dir
+    if name_or_dir.count("/") != 1 or name_or_dir.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    from huggingface_hub import snapshot_download  # imported here: the offline demo never needs the hub
+    try:
+        return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"could not fetch {name_or_dir!r} from the hub: {type(e).__name__}: {first_line}") from None
+
+
+def safetensors_files(path):
+    """The weight files of a folder: the shards its index names, else model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return [os.path.join(path, name) for name in sorted(set(_read_json(index)["weight_map"].values()))]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)")
+    return [single]
+
+
+def _read_json(file):
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist")
+    with open(file) as f:
+        return json.load(f)
 
 
 def config_from_hf(hf):
-    """GPTConfig from a Hugging Face config.json dict; unknown families fail with one line."""
+    """GPTConfig from a Hugging Face config.json dict; anything this class cannot compute fails with one line."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {kind!r} (supported: {', '.join(ARCHITECTURES)})")
+        raise ValueError(f"unsupported architecture {kind!r} (supported model_type: {', '.join(ARCHITECTURES)} "
+                         "= Llama/SmolLM, Qwen2/Qwen2.5, Qwen3)")
+    # switches this class does not have: refuse instead of computing something else
+    refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "mlp_bias": bool(hf.get("mlp_bias")),
+               "use_sliding_window": bool(hf.get("use_sliding_window")),
+               "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0) != 1.0,
+               "attention_bias (bias on o_proj too)": kind != "qwen2" and bool(hf.get("attention_bias"))}
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(f"{kind} checkpoint with {what} = {hf.get(what.split()[0])!r} is not supported")
     fields = {f: hf[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                  "num_attention_heads", "rms_norm_eps", "max_position_embeddings") if f in hf}
     fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     fields["head_dim"] = hf.get("head_dim") or 0
-    fields["rope_theta"] = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    fields["rope_scaling"] = hf.get("rope_scaling")
-    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
-    fields["attention_bias"] = kind == "qwen2" or bool(hf.get("attention_bias", False))
+    # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into rope_parameters
+    rope = dict(hf.get("rope_parameters") or {})
+    fields["rope_theta"] = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+    fields["rope_scaling"] = dict(scaling, rope_type="llama3") if rope_type == "llama3" else None
+    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)  # the default of all three config classes
+    fields["attention_bias"] = kind == "qwen2"  # Qwen2 always has q/k/v bias; its config does not say so
     fields["qk_norm"] = kind == "qwen3"
-    if kind == "llama" and hf.get("attention_bias"):
-        raise ValueError("Llama with attention_bias=True (bias on o_proj too) is not supported")
     return GPTConfig(**fields)
 
 
 def config_to_hf(config):
+    """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by transformers 4 and 5 and vLLM."""
     kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
     hf = {f: getattr(config, f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -287,4 +353,6 @@ def config_to_hf(config):
     hf.update(model_type=kind, architectures=[ARCHITECTURES[kind]], hidden_act="silu", torch_dtype="float32")
     if kind != "qwen2":
         hf["attention_bias"] = False
+    if kind != "llama":
+        hf["use_sliding_window"] = False
     return hf

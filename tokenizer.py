@@ -10,9 +10,15 @@ Tokenizers. Both expose the same methods, so chat_rl.py and engine.py never ask 
 A conversation is {"messages": [{"role": "user" | "assistant" | "system", "content": str}, ...]}.
 
 ByteTokenizer: the 256 byte values plus five chat special tokens; the offline demo and the
-tests use it, so nothing has to be downloaded. (A wrapper over the `tokenizers` library for
-real checkpoints lives beside it, with the same methods.)
+tests use it, so nothing has to be downloaded.
+HFTokenizer: a real checkpoint's tokenizer.json (the `tokenizers` library) with the model's own
+chat template, rendered the way transformers' apply_chat_template renders it.
+load_tokenizer(folder or hub id) picks the one a folder was saved with; save_pretrained writes it back.
 """
+
+import json
+import os
+import shutil
 
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 
@@ -58,6 +64,13 @@ class ByteTokenizer:
         ids, _ = self.render_conversation({"messages": [{"role": r, "content": c} for r, c in turns]})
         return ids + [self.special["<|assistant_start|>"]]
 
+    def save_pretrained(self, path):
+        """A marker that load_tokenizer reads back, and the stop token for transformers' generate."""
+        os.makedirs(path, exist_ok=True)
+        _write_json(os.path.join(path, "chat_rl_tokenizer.json"), {"type": "byte"})
+        _write_json(os.path.join(path, "generation_config.json"),
+                    {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_tokens)})
+
 
 def _merged_turns(conversation):
     """(role, content) pairs; a leading system message is folded into the first user turn."""
@@ -71,3 +84,163 @@ def _merged_turns(conversation):
         assert m["role"] == expected, f"message {i} has role {m['role']!r}, expected {expected!r}"
         turns.append((m["role"], m["content"]))
     return turns
+
+
+# ---------------------------------------------------------------------------------------------
+# Real checkpoints: tokenizer.json + the chat template of tokenizer_config.json / chat_template.jinja
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja"]
+
+
+class HFTokenizer:
+    def __init__(self, folder):
+        from tokenizers import Tokenizer  # imported here: the demo's byte tokenizer does not need it
+        self.folder = folder
+        self.tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        config = _read_json_if_any(folder, "tokenizer_config.json")
+        special_map = _read_json_if_any(folder, "special_tokens_map.json")
+        # template variables (bos_token, eos_token, ...); a token is saved as a string or as {"content": ...}
+        self.special_strings = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(key) or special_map.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if value:
+                self.special_strings[key] = value
+        self.template = _compile_chat_template(_read_chat_template(folder, config))
+        # ids may have gaps (added tokens); the engine masks logits at ids >= vocab_size (embedding padding)
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.bos_id = self.tok.token_to_id(self.special_strings["bos_token"]) if "bos_token" in self.special_strings else None
+        # stop on every id any of the three places calls end-of-sequence (Qwen2.5-Instruct: <|im_end|>, <|endoftext|>)
+        self.stop_tokens = set()
+        for file in ("generation_config.json", "config.json"):
+            eos = _read_json_if_any(folder, file).get("eos_token_id")
+            self.stop_tokens.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if "eos_token" in self.special_strings and self.tok.token_to_id(self.special_strings["eos_token"]) is not None:
+            self.stop_tokens.add(self.tok.token_to_id(self.special_strings["eos_token"]))
+
+    def encode(self, text):
+        # no special tokens added: the chat template writes its own bos / turn markers as text,
+        # which the tokenizer maps to their ids (as apply_chat_template(tokenize=True) does)
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def render_text(self, messages, add_generation_prompt):
+        """The chat template applied to a list of messages, as a string."""
+        if self.template is None:
+            raise ValueError(f"{self.folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_strings)
+
+    def render_for_completion(self, conversation):
+        """The prompt for sampling: the template with add_generation_prompt, a trailing reference answer dropped."""
+        messages = conversation["messages"]
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        return self.encode(self.render_text(messages, add_generation_prompt=True))
+
+    def render_conversation(self, conversation):
+        """
+        ids and a mask: 1 on each assistant turn's tokens up to and including its first stop token.
+
+        Templates differ in how they wrap a turn, so the assistant's tokens are found by rendering
+        prefixes, not by parsing. A turn starts where "the messages before it + the generation
+        prompt" stops agreeing token by token with the whole conversation (a token straddling that
+        boundary is left out), and runs to its first stop token (<|im_end|>, <|eot_id|>): what follows
+        it, like Qwen's "\n", is template glue the model never samples. The run never passes the
+        point where "the messages up to and including this turn" stops agreeing, unless that point is
+        the turn's start: templates may render a turn differently once it is no longer the last
+        (Qwen3 adds an empty <think></think> to the final turn only), and then the stop token alone ends it.
+        """
+        messages = conversation["messages"]
+        ids = self.encode(self.render_text(messages, add_generation_prompt=False))
+        mask = [0] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = _common_prefix(self.encode(self.render_text(messages[:i], add_generation_prompt=True)), ids)
+            end = _common_prefix(self.encode(self.render_text(messages[:i + 1], add_generation_prompt=False)), ids)
+            for j in range(start, end if end > start else len(ids)):
+                mask[j] = 1
+                if ids[j] in self.stop_tokens:
+                    break
+        return ids, mask
+
+    def save_pretrained(self, path):
+        """Copy the tokenizer files; generation_config.json gets the stop tokens so transformers' generate stops where we do."""
+        os.makedirs(path, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            src, dst = os.path.join(self.folder, name), os.path.join(path, name)
+            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(dst):
+                shutil.copyfile(src, dst)
+        generation = _read_json_if_any(path, "generation_config.json")  # keeps the model's sampling defaults
+        generation["eos_token_id"] = sorted(self.stop_tokens)
+        if self.bos_id is not None:
+            generation.setdefault("bos_token_id", self.bos_id)
+        _write_json(os.path.join(path, "generation_config.json"), generation)
+
+
+def load_tokenizer(name_or_dir):
+    """HFTokenizer for a folder (or hub id) with tokenizer.json; ByteTokenizer for one saved by ByteTokenizer."""
+    from gpt import resolve_folder  # one place turns hub ids into folders
+    folder = resolve_folder(name_or_dir)
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return HFTokenizer(folder)
+    if _read_json_if_any(folder, "chat_rl_tokenizer.json").get("type") == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"{folder} has neither tokenizer.json (a fast tokenizer) nor chat_rl_tokenizer.json (the byte tokenizer)")
+
+
+def _read_chat_template(folder, config):
+    """chat_template.jinja (newer saves) else tokenizer_config.json's chat_template (a string or a list of named ones)."""
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(jinja_file):
+        with open(jinja_file) as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+def _compile_chat_template(source):
+    """Jinja set up as the ecosystem renders chat templates: sandboxed, trim/lstrip blocks, raise_exception."""
+    if source is None:
+        return None
+    from datetime import datetime
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # templates from the hub are untrusted code
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson  # jinja's own escapes <, >, & as HTML, templates expect plain JSON
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.x templates date the system turn
+    return env.from_string(source)
+
+
+def _common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _read_json_if_any(folder, name):
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

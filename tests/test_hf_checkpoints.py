@@ -1,0 +1,310 @@
+"""
+Real checkpoints in and out, proven offline on tiny random models that transformers itself creates
+and saves: our GPT must compute transformers' logits, generate transformers' greedy tokens, and what
+chat_rl saves must load in transformers as it is. HFTokenizer must render a chat template exactly
+as apply_chat_template does. transformers is a test-only dependency, imported inside the tests.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine import Engine
+from gpt import GPT, config_from_hf
+from tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no eos: generate never stops early
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # with head_dim 16: every band of the scaling is used
+
+
+def hf_config(family):
+    import transformers
+    if family == "qwen2":  # like Qwen2.5-0.5B: q/k/v bias, tied head
+        return transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+    if family == "qwen3":  # q/k norm, head_dim set apart from hidden_size / heads
+        return transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)
+    if family == "llama":  # untied, another rope_theta
+        return transformers.LlamaConfig(**COMMON, rope_theta=50000.0, tie_word_embeddings=False)
+    if family == "llama3_rope":  # Llama-3.1/3.2 frequency scaling, tied like Llama-3.2-1B
+        return transformers.LlamaConfig(**COMMON, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE},
+                                        tie_word_embeddings=True)
+    raise AssertionError(family)
+
+
+def save_hf_model(tmp_path, family, **save_kwargs):
+    """A random model of `family` saved by transformers; every parameter perturbed so none is a no-op."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(family)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # norm weights of 1 would hide a missing or misplaced norm
+            else:
+                p.normal_(0, 0.15)  # wide logits: no near-ties for greedy decoding to trip on
+    path = tmp_path / family
+    model.save_pretrained(path, **save_kwargs)
+    return str(path), model
+
+
+class NoStopTokenizer:
+    """Engine's tokenizer double: no stop tokens, so every row runs max_tokens."""
+    stop_tokens = set()
+    vocab_size = VOCAB
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "llama3_rope"])
+def test_logits_match_transformers(tmp_path, family):
+    path, hf = save_hf_model(tmp_path, family)
+    model = GPT.from_pretrained(path)
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(idx) - hf(idx).logits).abs().max().item()
+    print(f"{family}: max |logit diff| = {diff:.2e}")
+    assert diff < 1e-4
+    assert torch.allclose(model.inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    path, hf = save_hf_model(tmp_path, "qwen3", max_shard_size="40KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
+    model = GPT.from_pretrained(path)
+    idx = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        assert (model(idx) - hf(idx).logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3_rope"])
+def test_engine_greedy_equals_transformers_generate(tmp_path, family):
+    path, hf = save_hf_model(tmp_path, family)
+    engine = Engine(GPT.from_pretrained(path), NoStopTokenizer())
+    prompts = [[5, 17, 42, 8, 9, 60, 3], [11, 2, 70]]  # unequal lengths: the engine left-pads the batch
+    sequences, _ = engine.generate_batch(prompts, num_samples=1, max_tokens=40, temperature=0.0)
+    for prompt, ours in zip(prompts, sequences):
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0)[0].tolist()
+        assert len(theirs) == len(prompt) + 40
+        assert ours == theirs
+
+
+def test_chat_rl_folder_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, _ = save_hf_model(tmp_path, "qwen2")
+    model = GPT.from_pretrained(path)
+    tokenizer = HFTokenizer(make_tokenizer_folder(tmp_path / "tok"))
+    out = str(tmp_path / "out")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    idx = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        assert (model(idx) - hf(idx).logits).abs().max().item() < 1e-5
+    # transformers' generate stops where our engine stops, and the tokenizer comes along
+    assert sorted(hf.generation_config.eos_token_id) == sorted(tokenizer.stop_tokens)
+    conversation = {"messages": [{"role": "user", "content": "what is two plus two?"}]}
+    theirs = AutoTokenizer.from_pretrained(out).apply_chat_template(conversation["messages"], add_generation_prompt=True,
+                                                                  tokenize=True, return_dict=False)
+    assert tokenizer.render_for_completion(conversation) == list(theirs)
+    # and back in: the folder chat_rl wrote (legacy rope keys, no transformers_version) loads in chat_rl
+    again = GPT.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(again(idx), model(idx))
+
+
+def test_bf16_model_saves_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+    path, _ = save_hf_model(tmp_path, "llama")
+    model = GPT.from_pretrained(path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    out = str(tmp_path / "out")
+    model.save_pretrained(out)
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert hf.dtype == torch.bfloat16
+    theirs = hf.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
+    assert GPT.from_pretrained(out, dtype=None).lm_head.weight.dtype == torch.bfloat16  # None keeps the stored dtype
+
+
+def test_unknown_architecture_and_missing_folder_fail_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(supported model_type: llama, qwen2, qwen3"):
+        GPT.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="neither a folder nor a hub id"):
+        GPT.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        GPT.from_pretrained(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_config_switches_we_cannot_compute_are_refused(change, message):
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 2, **change}
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+def test_hub_config_forms_of_rope_are_read():
+    # Llama-3.2 on the hub: top-level rope_theta + rope_scaling; transformers 5: one rope_parameters dict
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    legacy = config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3_ROPE, "rope_type": "llama3"}})
+    new = config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}})
+    assert legacy == new and new.rope_theta == 500000.0 and new.rope_scaling["factor"] == 8.0
+    plain = config_from_hf({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert plain.rope_scaling is None and plain.rope_theta == 1e6
+
+
+def test_hub_id_downloads_only_what_is_needed(tmp_path, monkeypatch):
+    import huggingface_hub
+    path, _ = save_hf_model(tmp_path, "qwen2")
+    asked = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns):
+        asked.update(repo_id=repo_id, allow_patterns=allow_patterns)
+        return path
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    GPT.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
+    assert asked["repo_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    for pattern in ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                    "tokenizer_config.json", "generation_config.json"):
+        assert pattern in asked["allow_patterns"]
+    assert not any(p.endswith(".bin") for p in asked["allow_patterns"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: a tiny byte-level BPE trained here, with a ChatML-like template written here.
+
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] != 'system' %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def make_tokenizer_folder(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["You are a helpful assistant.", "what is two plus two? The answer is 4.",
+                             "Natalia sold clips to 48 of her friends in April."] * 20, trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+                   "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}, f)
+    return str(path)
+
+
+CONVERSATION = {"messages": [
+    {"role": "user", "content": "what is two plus two?"},
+    {"role": "assistant", "content": "The answer is 4."},
+    {"role": "user", "content": "Natalia sold clips to 48 friends. How many?"},
+    {"role": "assistant", "content": "48 clips."},
+]}
+
+
+def test_render_for_completion_matches_apply_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+    folder = make_tokenizer_folder(tmp_path)
+    ours, theirs = HFTokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    for messages in (CONVERSATION["messages"][:1], CONVERSATION["messages"][:3],
+                     [{"role": "system", "content": "Be brief."}, *CONVERSATION["messages"][:1]]):
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ours.render_for_completion({"messages": messages}) == list(expected)
+    # a trailing reference answer is dropped: the prompt ends where the assistant's turn begins
+    assert ours.render_for_completion(CONVERSATION) == ours.render_for_completion({"messages": CONVERSATION["messages"][:3]})
+    assert ours.encode("what is two plus two?") == theirs.encode("what is two plus two?", add_special_tokens=False)
+    assert ours.bos_id == ours.tok.token_to_id("<|endoftext|>")
+    assert ours.stop_tokens == {ours.tok.token_to_id("<|im_end|>")}
+    assert ours.vocab_size == len(theirs)
+
+
+def test_render_conversation_masks_exactly_the_assistant_turns(tmp_path):
+    tok = HFTokenizer(make_tokenizer_folder(tmp_path))
+    ids, mask = tok.render_conversation(CONVERSATION)
+    assert len(ids) == len(mask)
+    runs, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(i)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    # each assistant turn: its content and the <|im_end|> that stops it; never the "\n" glue after it
+    assert runs == [tok.encode("The answer is 4.") + [im_end], tok.encode("48 clips.") + [im_end]]
+    # the unmasked part is the prompt: render_for_completion of the first turn is a prefix of ids
+    prompt = tok.render_for_completion({"messages": CONVERSATION["messages"][:1]})
+    assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+
+
+def test_mask_survives_a_template_that_renders_the_last_turn_differently(tmp_path):
+    # like Qwen3: only the final assistant turn carries an (empty) thinking block
+    folder = make_tokenizer_folder(tmp_path)
+    config = json.load(open(os.path.join(folder, "tokenizer_config.json")))
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    json.dump(config, open(os.path.join(folder, "tokenizer_config.json"), "w"))
+    tok = HFTokenizer(folder)
+    ids, mask = tok.render_conversation(CONVERSATION)
+    masked = tok.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert masked == "The answer is 4.<|im_end|><think></think>48 clips.<|im_end|>"
+
+
+def test_template_raise_exception_surfaces(tmp_path):
+    import jinja2
+    tok = HFTokenizer(make_tokenizer_folder(tmp_path))
+    with pytest.raises(jinja2.exceptions.TemplateError, match="unknown role tool"):
+        tok.render_for_completion({"messages": [{"role": "tool", "content": "x"}]})
+
+
+def test_tokenizers_save_and_load_back(tmp_path):
+    from transformers import AutoTokenizer
+    hf_tok = HFTokenizer(make_tokenizer_folder(tmp_path / "src"))
+    hf_tok.save_pretrained(tmp_path / "hf_out")
+    again = load_tokenizer(str(tmp_path / "hf_out"))
+    assert isinstance(again, HFTokenizer)
+    assert again.render_conversation(CONVERSATION) == hf_tok.render_conversation(CONVERSATION)
+    assert json.load(open(tmp_path / "hf_out" / "generation_config.json"))["eos_token_id"] == sorted(hf_tok.stop_tokens)
+    # a folder transformers wrote (its own tokenizer_config layout, chat_template.jinja) reads the same
+    AutoTokenizer.from_pretrained(str(tmp_path / "src")).save_pretrained(tmp_path / "tf_out")
+    assert load_tokenizer(str(tmp_path / "tf_out")).render_conversation(CONVERSATION) == hf_tok.render_conversation(CONVERSATION)
+
+    ByteTokenizer().save_pretrained(tmp_path / "byte_out")
+    assert isinstance(load_tokenizer(str(tmp_path / "byte_out")), ByteTokenizer)
+    assert json.load(open(tmp_path / "byte_out" / "generation_config.json"))["eos_token_id"] == [260]
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(ValueError, match="neither tokenizer.json"):
+        load_tokenizer(str(tmp_path / "bare"))
