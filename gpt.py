@@ -275,8 +275,9 @@ class GPT(nn.Module):
 # Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# what a hub download fetches: weights, config, tokenizer, chat template, stop tokens (not *.bin, not *.gguf)
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+# what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
+# tokenizer, chat template, stop tokens; not *.bin, *.gguf or other copies of the weights
+HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 
 
@@ -291,7 +292,8 @@ def resolve_folder(name_or_dir):
         return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
-        raise FileNotFoundError(f"could not fetch {name_or_dir!r} from the hub: {type(e).__name__}: {first_line}") from None
+        raise FileNotFoundError(f"{name_or_dir!r} is no local folder and the hub download failed: "
+                                f"{type(e).__name__}: {first_line}") from None
 
 
 def safetensors_files(path):

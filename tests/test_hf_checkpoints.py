@@ -94,9 +94,10 @@ def test_engine_greedy_equals_transformers_generate(tmp_path, family):
         assert ours == theirs
 
 
-def test_chat_rl_folder_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "llama3_rope"])
+def test_chat_rl_folder_loads_in_transformers(tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path, _ = save_hf_model(tmp_path, "qwen2")
+    path, _ = save_hf_model(tmp_path, family)
     model = GPT.from_pretrained(path)
     tokenizer = HFTokenizer(make_tokenizer_folder(tmp_path / "tok"))
     out = str(tmp_path / "out")
@@ -142,6 +143,8 @@ def test_unknown_architecture_and_missing_folder_fail_in_one_line(tmp_path):
         GPT.from_pretrained(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="neither a folder nor a hub id"):
         GPT.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
+    with pytest.raises(FileNotFoundError, match="'no-org/no-such-model' is no local folder and the hub download failed"):
+        GPT.from_pretrained("no-org/no-such-model")  # offline in tests (conftest): the hub cannot be reached
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         GPT.from_pretrained(str(tmp_path / "empty"))
@@ -183,7 +186,7 @@ def test_hub_id_downloads_only_what_is_needed(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     GPT.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
     assert asked["repo_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    for pattern in ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+    for pattern in ("config.json", "model*.safetensors", "model.safetensors.index.json", "tokenizer.json",
                     "tokenizer_config.json", "generation_config.json"):
         assert pattern in asked["allow_patterns"]
     assert not any(p.endswith(".bin") for p in asked["allow_patterns"])
