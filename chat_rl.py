@@ -147,6 +147,8 @@ def check_config(cfg, world_size):
         raise ConfigError(f"unknown --device-type {cfg.device_type!r} (cpu | cuda | mps, or empty to autodetect)")
     if cfg.device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device-type=cuda but no CUDA device is visible")
+    if cfg.device_type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device-type=mps but MPS is not available on this machine")
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
@@ -322,8 +324,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_config(argv)
+        check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group, model or data
         rank, world, device = setup_distributed(cfg.device_type)
-        check_config(cfg, world)
         return train(cfg, rank, world, device)
     except ConfigError as e:
         print(f"chat_rl: error: {e}", file=sys.stderr)

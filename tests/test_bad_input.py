@@ -1,0 +1,126 @@
+"""Bad input stops the run with one line that says why, a nonzero exit, and no model loaded."""
+
+import pytest
+import torch
+
+import chat_rl
+import checkpoint
+from gpt import GPT, GPTConfig
+from tokenizer import ByteTokenizer
+
+TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "model"
+    GPT(GPTConfig(**TINY)).init_weights(0).save_pretrained(str(path))
+    ByteTokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(chat_rl, "load_policy", refuse)
+
+
+def run(argv, capsys):
+    code = chat_rl.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+CASES = [
+    (["--bogus=1"], "unknown flag --bogus"),
+    (["--num-samples=abc"], "expected int"),
+    (["--lr=fast"], "expected float"),
+    (["--resume=maybe"], "expected bool"),
+    (["--num-samples"], "needs a value"),
+    (["demo"], "unexpected argument"),
+    (["--preset=huge"], "unknown preset"),
+    (["--num-samples=0"], "must be positive"),
+    (["--examples-per-step=-4"], "must be positive"),
+    (["--device-batch-size=0"], "must be positive"),
+    (["--max-new-tokens=0"], "must be positive"),
+    (["--eval-examples=0"], "must be positive"),
+    (["--temperature=-0.5"], "must be >= 0"),
+    (["--lr=0"], "lr > 0"),
+    (["--eval-every=0"], "positive or -1"),
+    (["--save-every=0"], "positive or -1"),
+    (["--save-every=-5"], "positive or -1"),
+    (["--num-steps=0"], "positive or -1"),
+    (["--task=chess"], "unknown task 'chess'"),
+    (["--advantage=rank"], "--advantage is mean | zscore"),
+    (["--device-type=tpu"], "unknown --device-type 'tpu'"),
+    (["--model=/no/such/folder"], "no such folder"),
+    (["--model=./relative/missing"], "no such folder"),
+]
+
+
+@pytest.mark.parametrize("argv,reason", CASES, ids=[c[0][0] for c in CASES])
+def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading, tmp_path):
+    code, err = run(argv + [f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code != 0
+    assert len(err) == 1 and err[0].startswith("chat_rl: error:") and reason in err[0], err
+
+
+def test_examples_per_step_must_divide_among_ranks():
+    cfg = chat_rl.parse_config(["--preset=demo", "--examples-per-step=3"])
+    with pytest.raises(chat_rl.ConfigError, match="not divisible by the 2 ranks"):
+        chat_rl.check_config(cfg, world_size=2)
+
+
+def test_gsm8k_offline_says_how_to_run_the_demo(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))  # no cached copy either
+    code, err = run(["--task=gsm8k", f"--model={model_dir}", f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code != 0 and len(err) >= 1
+    assert "could not load openai/gsm8k" in err[-1] and "--preset=demo" in err[-1]
+
+
+def demo_args(model_dir, out_dir):
+    return ["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=2", "--examples-per-step=2",
+            "--num-samples=2", "--max-new-tokens=4", "--eval-every=-1"]
+
+
+def write_checkpoint(argv, model_dir):
+    cfg = chat_rl.parse_config(argv)
+    model = GPT.from_pretrained(model_dir)
+    opt = torch.optim.AdamW(model.parameters())
+    checkpoint.save(cfg, 1, model, ByteTokenizer(), opt, rank=0, world=1)
+    return cfg.out_dir
+
+
+def test_corrupt_checkpoint_is_refused_on_resume(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")
+    out_dir = write_checkpoint(argv, model_dir)
+    with open(f"{out_dir}/step_000001/trainer_state.pt", "wb") as f:
+        f.write(b"not a checkpoint")
+    code, err = run(argv + ["--resume"], capsys)
+    assert code != 0 and len(err) == 1 and "step_000001 is unreadable" in err[0]
+
+
+def test_checkpoint_with_other_settings_is_refused_on_resume(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")
+    write_checkpoint(argv, model_dir)
+    code, err = run(argv + ["--resume", "--lr=0.1"], capsys)
+    assert code != 0 and len(err) == 1 and "different settings: lr (0.0003 -> 0.1)" in err[0]
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")
+    write_checkpoint(argv, model_dir)
+    code, err = run(argv, capsys)
+    assert code != 0 and len(err) == 1 and "already holds a run" in err[0]
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        chat_rl.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert all(f"--{name.replace('_', '-')}" in out for name in chat_rl.HYPERPARAMETERS)
