@@ -9,7 +9,8 @@ The three families differ only in switches of GPTConfig:
     Qwen2 / Qwen2.5: qkv bias (attention_bias=True)
     Qwen3          : q/k RMSNorm per head (qk_norm=True), explicit head_dim
 Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.q_proj.weight, ...)
-so a state_dict maps one-to-one onto a safetensors file, in and out.
+so a state_dict maps one-to-one onto a safetensors file, in and out: GPT.from_pretrained reads a
+hub id or a Hugging Face folder, save_pretrained writes one that transformers and vLLM load as it is.
 Tiny configs of the same class are the offline demo's policy.
 """
 

@@ -94,6 +94,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class HFTokenizer:
+    """A checkpoint folder's tokenizer.json, chat template and stop tokens, behind ByteTokenizer's methods."""
+
     def __init__(self, folder):
         from tokenizers import Tokenizer  # imported here: the demo's byte tokenizer does not need it
         self.folder = folder
