@@ -423,6 +423,8 @@ def train(cfg, rank, world, device):
                    loss=float(all_reduce_sum(loss.detach().clone())), lr=lr, seq_len=sums[3] / n, truncated=sums[4] / n,
                    valid_tokens=valid_tokens, grad_norm=grad_norm, rollout_tokens_per_s=sums[3] / (sums[6] / world),
                    step_time_s=dt, skipped_nonfinite=int(nonfinite_in_row > 0))
+        if device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         log.write({k: round(float(v), 6) if isinstance(v, (float, torch.Tensor)) else v for k, v in row.items()})
         eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
         print0(f"step {step + 1}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
