@@ -113,8 +113,8 @@ class Engine:
         n_generated = torch.full((B,), max_tokens, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         for t in range(max_tokens):
-            logits[:, vocab:] = float("-inf")  # padded embedding rows are not tokens
-            token = sample_next_token(logits, generator, temperature, top_k)
+            # a model's embedding table may be padded past the tokenizer's vocabulary: those rows are not tokens
+            token = sample_next_token(logits[:, :vocab], generator, temperature, top_k)
             out[:, t] = token
             just_stopped = ~done & torch.isin(token, stop)
             n_generated[just_stopped] = t
