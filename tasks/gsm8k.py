@@ -86,7 +86,7 @@ def _bound_number(text):
         line_end = text.find("\n", body.end())
         tail = text[body.end():line_end if line_end >= 0 else len(text)]
         value = _parse_body(body.group())
-        if value is None or re.search(r"\d", tail):
+        if value is None or any(ch.isnumeric() for ch in tail):  # 17 or 18, 18/1, 12.3.4, 18²
             return None  # the binding marker holds garbage: no fallback to a later marker
         return -value if lead.group(1) in ("-", "\u2212") else value
     return None
@@ -124,4 +124,5 @@ def grade(completion, ref):
 def format_ok(completion):
     """The answer once, at the end, exactly as instructed: a last line '#### <digits>'."""
     lines = (completion or "").strip().splitlines()
-    return bool(lines) and completion.count("####") == 1 and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
+    return (bool(lines) and completion.count("####") == 1 and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
+            and _bound_number(lines[-1]) is not None)  # and not too long to be a number

@@ -39,7 +39,7 @@ Math-Verify gaps we work around, and how:
   process itself never imports sympy.
 """
 
-import atexit, json, os, re, select, subprocess, sys, threading, time, unicodedata
+import atexit, json, math, os, re, select, subprocess, sys, threading, time, unicodedata
 from fractions import Fraction
 from functools import lru_cache
 
@@ -158,7 +158,8 @@ TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox)\s*"
 SUBS = [  # (pattern, replacement), applied in order
     (r"\\[dt]frac(?![A-Za-z])", r"\\frac"),
     (r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])", ""),
-    (r"\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]", ""),
+    (r"\\\\|\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]",   # keep \\, drop the rest
+     lambda m: m.group() if m.group() == "\\\\" else ""),
     (r"\\q?quad(?![A-Za-z])|~", " "),
     (r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", ""),  # degrees are a unit
     (r"\\%|%", ""),                                              # and so is percent
@@ -167,11 +168,12 @@ SUBS = [  # (pattern, replacement), applied in order
     (r"\\frac\s*(\d|\{[^{}]*\})\s*(\d|\{[^{}]*\})", r"\\frac{\1}{\2}"),
     (r"\\sqrt\s*(\d)", r"\\sqrt{\1}"),
     (r"\{\{([^{}]*)\}\}", r"{\1}"),
+    (r"\{,\}", ","),                                             # 1{,}000
 ]
 SUBS = [(re.compile(p), r) for p, r in SUBS]
 TEXT_UNIT = re.compile(TEXT_CMD + r"\{[A-Za-z .]*\}(?:\^\{?\d\}?)?")
-NUMBER = re.compile(r"(-?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d+))?")
-FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?)(\d+)/(\d+)")
+NUMBER = re.compile(r"(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]*)(?:\.([0-9]+))?")  # ASCII digits only
+FRACTION = re.compile(r"(-?)\\frac\{(-?[0-9]+)\}\{(-?[0-9]+)\}|(-?)([0-9]+)/([0-9]+)")
 
 
 def normalize(answer):
@@ -179,14 +181,14 @@ def normalize(answer):
     s = unicodedata.normalize("NFKC", s)
     for pattern, repl in SUBS:
         s = pattern.sub(repl, s)
-    if re.search(r"\d", TEXT_UNIT.sub("", s)):  # a number is there: the words are its unit
+    if re.search(r"[0-9]", TEXT_UNIT.sub("", s)):  # a number is there: the words are its unit
         s = TEXT_UNIT.sub("", s)
         words = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
         tail = s[len(words):]
         if words[-1:].isdigit() or words.endswith("}"):  # "5 cm", "\frac{1}{2} inches"
             if tail.startswith(" ") and all(len(w) > 1 for w in tail.split()):
                 s = words
-    return " ".join(s.split()).strip(" .,;:")
+    return " ".join(s.split()).rstrip(" .,;:")
 
 
 def as_rational(s):
@@ -214,7 +216,7 @@ def _equivalent(pred, ref):
     compact_p, compact_r = p.replace(" ", ""), r.replace(" ", "")
     if compact_p == compact_r:
         return True
-    if re.search(r"\d_", compact_p + " " + compact_r):  # base-n numerals: sympy drops the base
+    if re.search(r"[0-9]_", compact_p + " " + compact_r):  # base-n numerals: sympy drops the base
         return compact_p.replace("{", "").replace("}", "") == compact_r.replace("{", "").replace("}", "")
     qp, qr = as_rational(p), as_rational(r)
     if qp is not None and qr is not None:
@@ -240,7 +242,7 @@ def grade(completion, reference):
 
 # ---------------------------------------------------------------------------------------------
 # 3. Equivalence through latex2sympy + math_verify, inside the worker (or inline in tests).
-_NUMBER_TOKEN = re.compile(r"(\d*)(?:\.(\d*))?(?:[eE]([-+]?\d{1,3}))?")
+_NUMBER_TOKEN = re.compile(r"([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]{1,3}))?")
 
 
 def _exact_number(text):
@@ -274,22 +276,23 @@ def _sympy_tools():
 
 
 def _digits(e, budget):
-    """Upper bound on the decimal digits of any number sympy could compute from e."""
+    """Upper bound on log10 of any number sympy could compute from e; inf means refuse."""
     import sympy
     budget[0] -= 1
     if budget[0] < 0:
-        return float("inf")
+        return math.inf
     if isinstance(e, sympy.Rational):
-        return max(abs(e.p).bit_length(), e.q.bit_length()) * 0.302 + 1
+        return math.log10(max(abs(e.p), e.q) + 1)
     if isinstance(e, (sympy.Sum, sympy.Product, sympy.Integral, sympy.Limit, sympy.Derivative)):
-        return float("inf")  # an answer is a value, not a problem to evaluate
+        return math.inf  # an answer is a value, not a problem to evaluate
     args = list(e) if isinstance(e, sympy.MatrixBase) else getattr(e, "args", ())
-    if isinstance(e, sympy.Pow) or isinstance(e, (sympy.factorial, sympy.binomial)):
-        n = _digits(args[-1] if isinstance(e, sympy.Pow) else args[0], budget)
-        if n > 6:
-            return float("inf")
-        base = _digits(args[0], budget) if isinstance(e, sympy.Pow) else 1
-        return 10 ** n * (n + max(base, 1))
+    if isinstance(e, (sympy.Pow, sympy.factorial, sympy.binomial)):
+        power = isinstance(e, sympy.Pow)
+        top = _digits(args[1] if power else args[0], budget)  # the exponent, or n in n! and C(n, k)
+        if top > 6:
+            return math.inf
+        base = _digits(args[0], budget) if power else top
+        return 10 ** top * max(base, 1)  # |b^n| <= |b|^|n|, n! <= n^n, C(n, k) <= 2^n
     return 1 + sum(_digits(a, budget) for a in args)
 
 

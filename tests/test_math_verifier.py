@@ -1,0 +1,372 @@
+r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under our own policy."""
+
+import builtins
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tasks import mathtask
+
+
+def boxed(answer):
+    return f"Some reasoning first. The final answer is $\\boxed{{{answer}}}$."
+
+
+EXTRACT_CASES = [
+    (r"so \boxed{5}", "5"),
+    (r"\boxed{\frac{22}{7}}", r"\frac{22}{7}"),
+    (r"\boxed {5}", "5"),                        # Math-Verify misses a space before the brace
+    ("\\boxed\n{5}", "5"),
+    (r"\fbox{5}", "5"),
+    (r"\boxed{ 7 }", "7"),
+    (r"$\boxed{x^{2}}$.", "x^{2}"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),            # escaped braces do not close the box
+    (r"\boxed{a}b}", "a"),
+    (r"\boxed{\text{(C)}}", r"\text{(C)}"),
+    (r"\boxed{1} then \boxed{2}", "2"),          # the last box binds
+    (r"\boxed{2} then \boxed{}", None),          # an empty last box: no fallback to 2
+    (r"\boxed{2} then \boxed{ }", None),
+    (r"\boxed{2} then \boxed{3", None),          # unterminated last box
+    (r"\boxed{2} then \boxed 3", None),          # a box without braces
+    (r"\boxed{2} \boxed", None),
+    (r"\boxed{\boxed{5}}", None),                # a box in a box
+    (r"\boxedx{5}", None),                       # not a box command
+    ("no box at all: 5", None),
+    ("", None),
+    (None, None),
+]
+
+
+@pytest.mark.parametrize("text,answer", EXTRACT_CASES)
+def test_extract_answer(text, answer):
+    assert mathtask.extract_answer(text) == answer
+
+
+# (what the model boxes, reference, verdict)
+EQUIV_CASES = [
+    # ordinary
+    ("5", "5", True),
+    ("5", "6", False),
+    ("-3", "-3", True),
+    (r"\frac{22}{7}", r"\frac{22}{7}", True),
+    ("x^2-x-2", "x^2-x-2", True),
+    # fractions and decimals, exactly
+    ("0.5", r"\frac{1}{2}", True),
+    (r"\frac12", r"\frac{1}{2}", True),
+    (r"\dfrac{1}{2}", r"\frac12", True),
+    (r"\tfrac{1}{2}", "0.5", True),
+    ("1/2", r"\frac{1}{2}", True),
+    (r"\frac{2}{4}", r"\frac12", True),
+    (r"-\frac{1}{2}", r"\frac{-1}{2}", True),
+    (r"\frac{-1}{2}", "-0.5", True),
+    (".5", r"\frac12", True),
+    ("0.50", r"\frac{1}{2}", True),
+    ("1.25", r"\frac{5}{4}", True),
+    (r"\frac{14}{3}", r"4\frac{2}{3}", True),
+    (r"\frac{10}{2}", "5", True),
+    # roots and pi
+    (r"\sqrt2", r"\sqrt{2}", True),
+    (r"2\sqrt{2}", r"\sqrt{8}", True),
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+    (r"\sqrt{2}/2", r"\frac{\sqrt2}{2}", True),
+    (r"3\sqrt{13}", r"3 \sqrt{13}", True),
+    (r"\frac{\pi}{2}", r"0.5\pi", True),
+    # percent, degrees, units, money: decoration
+    (r"50\%", "50", True),
+    ("50", r"50\%", True),
+    ("30^\\circ", "30", True),
+    ("30^{\\circ}", "30", True),
+    (r"5\text{ cm}", "5", True),
+    (r"5 \text{ cm}^2", "5", True),
+    (r"5\,\mbox{inches}", "5", True),
+    ("12 inches", "12", True),
+    (r"\$18.90", "18.90", True),
+    ("18.9", r"\$18.90", True),
+    ("1,000", "1000", True),
+    (r"10,\!000", "10000", True),
+    ("1{,}000", "1000", True),
+    (r"\displaystyle 5", "5", True),
+    # brackets, intervals, tuples, sets
+    (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})", True),
+    ("[-2,7]", "[-2, 7]", True),
+    (r"(-\infty, 3) \cup (4, \infty)", r"(-\infty,3)\cup(4,\infty)", True),
+    (r"\{2,1\}", "1, 2", True),
+    ("2, 1", "1,2", True),
+    (r"x \in [-2,7]", "[-2,7]", True),
+    (r"\mathbb{R}", r"(-\infty,\infty)", True),
+    (r"\pm 3", "3, -3", True),
+    # algebra
+    ("(x+1)(x-2)", "x^2-x-2", True),
+    ("x^2-x-2", "(x+1)(x-2)", True),
+    ("x^2+2x+1", "(x+1)^2", True),
+    ("y = 2x - 3", "y=2x-3", True),
+    ("2x-3", "y=2x-3", True),
+    ("x = 5", "5", True),
+    ("5", "x=5", True),
+    # matrices, complex numbers
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", True),
+    (r"\begin{pmatrix} 1 \\ 3 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", False),
+    ("6-5i", "6 - 5i", True),
+    (r"3 + 4\mathrm{i}", "3+4i", True),
+    ("3-4i", "3+4i", False),
+    # text answers
+    (r"\text{(C)}", r"\text{(C)}", True),
+    ("C", r"\text{(C)}", True),
+    (r"\text{(A)}", r"\text{(C)}", False),
+    (r"\text{Evelyn}", r"\text{Evelyn}", True),
+    (r"\text{even}", r"\text{odd}", False),
+    # base-n numerals keep their base
+    ("2220_4", "2220_{4}", True),
+    ("2220_4", "2220_5", False),
+    ("2220", "2220_4", False),
+    # near misses
+    ("3.1428", r"\frac{22}{7}", False),
+    ("3.14", r"\pi", False),
+    (r"\frac{22}{7}", r"\pi", False),
+    ("0.5000001", r"\frac12", False),
+    ("0.4999999", "0.5", False),
+    ("0.333333", r"\frac{1}{3}", False),
+    ("1.41421356237310", r"\sqrt{2}", False),
+    (r"\pi + 0.0000000000000000001", r"\pi", False),
+    (r"\frac{1}{2}", r"\frac{1}{3}", False),
+    ("x^2-x+2", "(x+1)(x-2)", False),
+    ("(x+1)(x-3)", "x^2-x-2", False),
+    ("2x+3", "2x-3", False),
+    ("(-2,7]", "[-2,7]", False),
+    ("[-2,7)", "[-2,7]", False),
+    ("(1,2)", "(2,1)", False),
+    ("-5", "5", False),
+    ("5", "-5", False),
+    (r"10\%", "0.1", False),                     # percent is a unit, not a factor of 1/100
+    ("0.5", r"50\%", False),
+    # hedges and hacks
+    ("17, 18", "17", False),
+    (r"17 \text{ or } 18", "17", False),
+    ("17 or 18", "17", False),
+    (r"17 \text{ and } 18", "17", False),
+    (r"\text{17 or 18}", "17", False),
+    (r"\{17, 18\}", "17", False),
+    (r"17 \lor 18", "17", False),
+    ("17; 18", "17", False),
+    (r"\pm 3", "3", False),
+    ("[16, 18]", "17", False),
+    ("x", "5", False),
+    (r"\infty", "5", False),
+    ("x > 0", "5", False),
+    (r"\frac{1}{0}", r"\infty", False),
+    (r"\text{answer}", "5", False),
+    (r"\lim_{x \to 0} \frac{\sin x}{x}", "1", False),  # an answer is a value, not a problem
+    (r"\sum_{k=1}^{3} k", "6", False),
+    ("10^{10^{10}}", "5", False),
+    ("__import__('os').system('echo hi')", "5", False),
+    ("1e3", "1000", False),
+    # unicode
+    ("\uff15", "5", True),                       # full-width 5 (NFKC)
+    ("\u22123", "-3", True),                     # minus sign
+    ("x\u00b2-x-2", "x^2-x-2", True),            # superscript two
+    ("\u00bd", r"\frac12", True),
+    ("\u03c0", r"\pi", True),
+    ("2\u03c0", r"2\pi", True),
+    ("\u221a2", r"\sqrt{2}", True),
+    ("30\u00b0", "30^\\circ", True),
+    ("3\u200b5", "35", True),                    # a zero-width space
+    ("\u0665", "5", False),                      # Arabic-Indic five: not an ASCII digit
+    ("\u2155", r"\frac15", False),               # a vulgar fraction we do not map
+]
+
+
+@pytest.mark.parametrize("answer,reference,verdict", EQUIV_CASES)
+def test_grade(answer, reference, verdict):
+    assert mathtask.grade(boxed(answer), reference) is verdict
+
+
+GRADE_CASES = [
+    (r"\boxed{1} no wait, \boxed{2}", "2", True),
+    (r"\boxed{2} no wait, \boxed{1}", "2", False),   # only the last box counts
+    (r"\boxed{2} and \boxed{}", "2", False),         # never fall back to an earlier box
+    (r"\boxed{2} and \boxed{3", "2", False),
+    (r"\boxed {2}", "2", True),
+    (r"\fbox{2}", "2", True),
+    ("2", "2", False),                               # no box, no answer
+    (r"\boxed{2}", None, False),
+    (r"\boxed{2}", "", False),
+    (r"\boxed{2}", r"so the answer is \boxed{2}.", True),  # a whole solution as the reference
+    (None, "2", False),
+]
+
+
+@pytest.mark.parametrize("completion,reference,verdict", GRADE_CASES)
+def test_grade_binds_the_last_box(completion, reference, verdict):
+    assert mathtask.grade(completion, reference) is verdict
+
+
+FORMAT_CASES = [
+    (r"... so the answer is $\boxed{5}$.", True),
+    (r"\boxed{5}", True),
+    (r"\[\boxed{5}\]", True),
+    (r"**\boxed{5}**", True),
+    (r"\boxed {5}", True),
+    (r"\fbox{5}", True),
+    (r"\boxed{5} and that is all.", False),          # not at the end
+    (r"\boxed{5} \boxed{5}", False),                 # not once
+    (r"\boxed{4} ... \boxed{5}", False),
+    (r"\boxed{}", False),
+    (r"\boxed{5", False),
+    ("5", False),
+    ("", False),
+]
+
+
+@pytest.mark.parametrize("completion,ok", FORMAT_CASES)
+def test_format_ok(completion, ok):
+    assert mathtask.format_ok(completion) is ok
+
+
+latex = st.lists(st.sampled_from([
+    "\\boxed", "\\fbox", "{", "}", "\\frac", "1", "2", "0.5", "x", "^", "_", "\\sqrt", ",", ".", "-", " ",
+    "\\text{", "cm", "\u03c0", "\u00b0", "\\left(", "\\right)", "\\infty", "\\{", "\\}", "=", "\\pm", "or",
+    "%", "\\%", "[", ")", "\\", "$", "\\!", "\uff11"]), max_size=25).map("".join)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(completion=st.one_of(latex, st.text(max_size=100)), reference=st.one_of(latex, st.text(max_size=20)))
+def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
+    mathtask._equivalent.cache_clear()  # the second call must recompute, not read the cache
+    first = mathtask.grade(completion, reference)
+    mathtask._equivalent.cache_clear()
+    assert isinstance(first, bool) and mathtask.grade(completion, reference) is first
+    assert isinstance(mathtask.format_ok(completion), bool)
+
+
+def test_adversarial_inputs_are_bounded_and_raise_nothing():
+    from bench_verifiers import adversarial_cases
+    for name, task, completion, reference in adversarial_cases():
+        if task is mathtask:
+            assert isinstance(mathtask.grade(completion, reference), bool), name
+            assert isinstance(mathtask.format_ok(completion), bool), name
+    assert mathtask.grade(boxed("x+1"), "1+x")  # and the worker still serves
+
+
+def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
+    import sympy
+    import sympy.parsing.sympy_parser as sympy_parser
+    monkeypatch.setattr(mathtask, "USE_WORKER", False)  # run sympy in this process, under watch
+    pwned = tmp_path / "pwned"
+    payloads = [f"__import__('os').system('touch {pwned}')", f"eval(\"open('{pwned}','w')\")",
+                f"\\text{{__import__('os').system('touch {pwned}')}}", "x.__class__.__mro__",
+                "lambda: 0", f"exec('open(\"{pwned}\", \"w\")')"]
+    honest = [(boxed(a), r, v) for a, r, v in EQUIV_CASES if "import" not in a]
+    for completion, ref, _ in honest + [(boxed(p), "0", False) for p in payloads]:
+        mathtask.grade(completion, ref)  # warm up: sympy's lazy imports happen before the guard
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args[:1])
+        raise RuntimeError("refused to execute text")
+
+    def refuse_strings(real, only_if=lambda text: True):
+        def guarded(a, *args, **kwargs):
+            if isinstance(a, str) and only_if(a):
+                return refuse(a)
+            return real(a, *args, **kwargs)
+        return guarded
+    # sympify / parse_expr turn text into Python: refused outright. eval / exec are refused on
+    # anything carrying the payloads' fingerprints (sympy exec()s polynomial code it writes itself).
+    tainted = lambda text: any(t in text for t in ("__import__", "pwned", "__class__", "lambda"))
+    monkeypatch.setattr(builtins, "eval", refuse_strings(builtins.eval, tainted))
+    monkeypatch.setattr(builtins, "exec", refuse_strings(builtins.exec, tainted))
+    for mod in [m for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType)
+                and name.split(".")[0] in ("sympy", "latex2sympy2_extended", "math_verify", "tasks")]:
+        if getattr(mod, "sympify", None) is sympy.sympify:
+            monkeypatch.setattr(mod, "sympify", refuse_strings(sympy.sympify))
+        if getattr(mod, "parse_expr", None) is sympy_parser.parse_expr:
+            monkeypatch.setattr(mod, "parse_expr", refuse)
+    mathtask._equivalent.cache_clear()
+    for payload in payloads:
+        assert mathtask.grade(boxed(payload), "0") is False
+    for completion, ref, verdict in honest:  # and grading still works with those doors shut
+        assert mathtask.grade(completion, ref) is verdict, (completion, ref)
+    mathtask._equivalent.cache_clear()
+    assert calls == [] and not pwned.exists()
+
+
+def test_worker_does_not_execute_payloads(tmp_path):
+    pwned = tmp_path / "pwned"
+    for payload in [f"__import__('os').system('touch {pwned}')", f"\\text{{__import__('os').system('touch {pwned}')}}"]:
+        mathtask._equivalent.cache_clear()
+        assert mathtask.grade(boxed(payload), "5") is False
+    assert not pwned.exists()
+
+
+def test_grades_from_other_threads():
+    cases = [(boxed(a), r, v) for a, r, v in EQUIV_CASES[:60]]
+    mathtask._equivalent.cache_clear()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        verdicts = list(pool.map(lambda c: mathtask.grade(c[0], c[1]), cases))
+    assert verdicts == [v for _, _, v in cases]
+
+
+def test_a_late_worker_is_killed_and_replaced(monkeypatch):
+    assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")  # a worker is up
+    old = mathtask._worker["proc"]
+    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.0)     # every answer is now late
+    mathtask._equivalent.cache_clear()
+    assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
+    assert old.poll() is not None                        # the late worker was killed
+    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.9)
+    mathtask._equivalent.cache_clear()
+    assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True  # and a fresh one serves
+
+
+# --- the task-module interface, with handwritten rows in the real schemas ---------------------
+TRAIN_ROW = {"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra",
+             "solution": r"We have $1+1=\boxed{2}$."}
+TEST_ROW = {"problem": "What is $2+2$?", "solution": r"$2+2=\boxed{4}$.", "answer": "4",
+            "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"}
+
+
+def test_reference_prompt_and_solution():
+    assert mathtask.reference(TRAIN_ROW) == "2"  # train rows: the last box of the solution
+    assert mathtask.reference(TEST_ROW) == "4"   # MATH-500 rows: the answer column
+    assert mathtask.prompt(TEST_ROW).startswith("What is $2+2$?") and "\\boxed{" in mathtask.prompt(TEST_ROW)
+    assert mathtask.grade(mathtask.solution(TRAIN_ROW), mathtask.reference(TRAIN_ROW))
+
+
+def fake_datasets(monkeypatch, fail=False):
+    seen = []
+
+    def load_dataset(name, config=None, split=None):
+        seen.append((name, config, split))
+        if fail:
+            raise ConnectionError("Couldn't reach the Hub\nmore detail")
+        if name == mathtask.TEST_DATASET:
+            return [TEST_ROW]
+        return [dict(TRAIN_ROW, type=config, problem=f"{config} {i}") for i in range(2)]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    return seen
+
+
+def test_load_train_uses_the_train_split_of_every_subject(monkeypatch):
+    seen = fake_datasets(monkeypatch)
+    rows = mathtask.load("train")
+    assert {split for _, _, split in seen} == {"train"}
+    assert [c for _, c, _ in seen] == list(mathtask.TRAIN_CONFIGS)
+    assert len(rows) == 14 and set(rows[0]) == {"problem", "level", "type", "solution"}
+    assert [r["type"] for r in mathtask.load("train", limit=7)] == list(mathtask.TRAIN_CONFIGS)  # interleaved
+
+
+def test_load_test_is_math500(monkeypatch):
+    seen = fake_datasets(monkeypatch)
+    assert mathtask.load("test") == [TEST_ROW] and seen == [(mathtask.TEST_DATASET, None, "test")]
+    with pytest.raises(ValueError):
+        mathtask.load("validation")
+
+
+def test_load_offline_says_how_to_run_the_demo(monkeypatch):
+    fake_datasets(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="python -m chat_rl --task=arith") as info:
+        mathtask.load("test")
+    assert "\n" not in str(info.value)
