@@ -34,12 +34,17 @@ def conversation(task, row, with_solution=False):
 
 def rewards(task, completion, reference, format_weight=0.0):
     """
-    The reward terms of one completion:
-        answer = 1 if the verifier accepts the final answer else 0
-        format = 1 if the answer is given once, in the required form, at the end else 0
+    The reward terms of one completion; the rules themselves live in each task module:
+        answer = 1 if task.grade accepts the final answer else 0
+        format = 1 if task.format_ok: the answer given once, in the required form, at the end else 0
         total  = answer + format_weight * format
-    format_weight defaults to 0 (nanochat's pure answer reward): a format bonus is the easiest
-    term for a policy to farm, so it is opt-in. Returns a dict of floats.
+    format_weight (--format-weight) defaults to 0, nanochat's pure answer reward: a format bonus is
+    the easiest term for a policy to farm, so it is opt-in. With 0 < format_weight < 1 (e.g. 0.1)
+    totals rank correct and well-formed (1 + w) > correct but sloppy (1) > wrong but well-formed (w)
+    > garbage (0); at w >= 1 a well-formed wrong answer would tie or beat a sloppy right one.
+    Hedging, repeating the answer or spamming boxes never beats an honest correct answer: the
+    verifier binds one answer (GSM8K: the first '#### <number>', MATH: the last box) and format
+    is only paid for a single one. Returns a dict of floats.
     """
     answer = float(task.grade(completion, reference))
     fmt = float(task.format_ok(completion))
