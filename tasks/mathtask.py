@@ -58,7 +58,7 @@ def _load_dataset(name, config, split):
         return load_dataset(name, config, split=split)
     except Exception as e:  # no network, no cache, hub error: one actionable line, not a traceback
         raise RuntimeError(f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           f"offline? run the offline demo instead: python -m chat_rl --task=arith") from None
+                           f"offline? run the offline demo instead (arith task): python -m chat_rl --preset=demo") from None
 
 
 def load(split, limit=None):

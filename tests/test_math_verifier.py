@@ -367,6 +367,6 @@ def test_load_test_is_math500(monkeypatch):
 
 def test_load_offline_says_how_to_run_the_demo(monkeypatch):
     fake_datasets(monkeypatch, fail=True)
-    with pytest.raises(RuntimeError, match="python -m chat_rl --task=arith") as info:
+    with pytest.raises(RuntimeError, match="python -m chat_rl --preset=demo") as info:
         mathtask.load("test")
     assert "\n" not in str(info.value)
