@@ -139,9 +139,10 @@ def extract_answer(text):
 def format_ok(completion):
     """Exactly one box, well-formed and non-empty, followed only by closing punctuation."""
     text = completion or ""
-    if len(BOX_RE.findall(text)) != 1 or extract_answer(text) is None:
+    box = _last_box(text)
+    if len(BOX_RE.findall(text)) != 1 or box is None or not (box[0] or "").strip():
         return False
-    return re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.|\*)*", text[_last_box(text)[1]:]) is not None
+    return re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.|\*)*", text[box[1]:]) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +312,8 @@ def sympy_equal(p, r):
 # The worker: a child python that answers one JSON line [pred, ref] with "1" or "0".
 USE_WORKER = True     # tests switch it off to run sympy in-process
 CPU_BUDGET_S = 0.4    # inside the worker: CPU seconds one comparison may use, then it is "not equal"
-DEADLINE_S = 0.9      # outside: wall seconds before the worker is killed (C code ignores signals)
+DEADLINE_S = 0.9      # outside: a worker this late that has burnt its budget is stuck in C code
+STARVED_S = 10.0      # a worker merely starved of CPU by other work gets this long before we give up
 MEMORY_BYTES = 2 << 30
 _worker = {"proc": None, "pid": None, "ready": False, "broken": False}
 _lock = threading.Lock()
@@ -323,13 +325,14 @@ class _OverBudget(BaseException):  # BaseException: sympy's "except Exception" m
 
 def _serve():
     import resource, signal
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)  # lower the soft limit only, never raise it
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard), hard))
     armed = [False]
 
     def over_budget(*_):
         if armed[0]:
             raise _OverBudget()
-    signal.signal(signal.SIGPROF, over_budget)
+    signal.signal(signal.SIGPROF, over_budget)  # CPU time, not wall time: verdicts do not depend on load
     sympy_equal(r"\frac{x^2-1}{x+1}", "x-1")  # pay imports and caches before the first budget
     os.write(1, b"ready\n")
     for line in sys.stdin.buffer:
@@ -346,16 +349,25 @@ def _serve():
 
 
 def _read_line(fd, deadline):
+    """One line from the worker, None if it is not there by deadline; OSError if the worker died."""
     buf = b""
     while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
             return None
         chunk = os.read(fd, 64)
         if not chunk:
-            return None  # the worker died
+            raise OSError("the sympy worker exited")
         buf += chunk
     return buf.strip()
+
+
+def _cpu_seconds(pid):
+    """CPU seconds a process has used (Linux /proc), None where that cannot be read."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _kill_worker():
@@ -381,19 +393,25 @@ def _ask_worker(p, r):
                 _worker["proc"] = None
                 _start_worker()
             proc = _worker["proc"]
-            if not _worker["ready"]:  # startup (imports) has its own, generous deadline
-                _worker["ready"] = _read_line(proc.stdout.fileno(), time.monotonic() + 60) == b"ready"
+            fd = proc.stdout.fileno()
+            if not _worker["ready"]:  # start-up (imports) has its own, generous deadline
+                _worker["ready"] = _read_line(fd, time.monotonic() + 60) == b"ready"
                 if not _worker["ready"]:
                     raise OSError("the sympy worker did not start")
             proc.stdin.write(json.dumps([p, r]).encode() + b"\n")
-            answer = _read_line(proc.stdout.fileno(), time.monotonic() + DEADLINE_S)
-            if answer is not None:
-                return answer == b"1"
+            cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+            while True:
+                answer = _read_line(fd, time.monotonic() + DEADLINE_S)
+                if answer is not None:
+                    return answer == b"1"
+                cpu = _cpu_seconds(proc.pid)  # late: stuck in C code, or only starved of CPU?
+                if cpu is None or cpu0 is None or cpu - cpu0 > CPU_BUDGET_S + 0.1 or time.monotonic() - t0 > STARVED_S:
+                    break
         except (OSError, ValueError) as e:
             if not _worker["broken"]:
                 print(f"mathtask: sympy worker failed ({e}); such answers score 0", file=sys.stderr)
                 _worker["broken"] = True
-        _kill_worker()  # late or dead: start a fresh one now so it is ready for the next call
+        _kill_worker()  # stuck or dead: start a fresh one now so it is ready for the next call
         _start_worker()
         return False
 

@@ -2,6 +2,7 @@ r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under ou
 
 import builtins
 import sys
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -309,16 +310,27 @@ def test_grades_from_other_threads():
     assert verdicts == [v for _, _, v in cases]
 
 
-def test_a_late_worker_is_killed_and_replaced(monkeypatch):
+def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
     assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")  # a worker is up
     old = mathtask._worker["proc"]
-    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.0)     # every answer is now late
-    mathtask._equivalent.cache_clear()
-    assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
-    assert old.poll() is not None                        # the late worker was killed
-    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.9)
+    with monkeypatch.context() as m:  # every answer is late, and the worker looks busy in C code
+        m.setattr(mathtask, "DEADLINE_S", 0.0)
+        m.setattr(mathtask, "_cpu_seconds", lambda pid: time.monotonic() * 100)
+        mathtask._equivalent.cache_clear()
+        assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
+    assert old.poll() is not None                        # the stuck worker was killed
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True  # and a fresh one serves
+
+
+def test_a_starved_worker_is_waited_for(monkeypatch):
+    assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")
+    old = mathtask._worker["proc"]
+    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.0)     # late at once, but it has used no CPU yet
+    monkeypatch.setattr(mathtask, "_cpu_seconds", lambda pid: 0.0)
+    mathtask._equivalent.cache_clear()
+    assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True
+    assert mathtask._worker["proc"] is old and old.poll() is None
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------
