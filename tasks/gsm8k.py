@@ -39,7 +39,7 @@ def load(split, limit=None):
         ds = load_dataset(DATASET, CONFIG, split=split)
     except Exception as e:  # no network, no cache, hub error: one actionable line, not a traceback
         raise RuntimeError(f"could not load {DATASET} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           f"offline? run the offline demo instead (arith task): python -m chat_rl --preset=demo") from None
+                           "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     return rows[:limit] if limit else rows
 

@@ -32,11 +32,12 @@ Math-Verify gaps we work around, and how:
   number token into sympy through sympify (eval again) -> we never call parse(), and we replace
   latex2sympy's number hook with an exact, eval-free one. Model text is never executed.
 - its timeouts use signal.alarm, which fails outside the main thread -> we disable them and run
-  sympy in a worker process instead: a CPU budget inside it (SIGPROF), a wall-clock deadline
-  outside it (the worker is killed and restarted), an address-space limit, and a refusal to
-  evaluate anything whose exact value would need more than MAX_DIGITS digits (10^{10^{10}},
-  1000000!). So grade() is bounded in time and memory from any thread, and the training
-  process itself never imports sympy.
+  sympy in a worker process instead, with a CPU budget inside it (SIGPROF: past it, "not equal"),
+  an address-space limit, a refusal to evaluate anything whose exact value would need more than
+  MAX_DIGITS digits (10^{10^{10}}, 1000000!), and, outside it, a deadline: a worker still silent
+  after DEADLINE_S that has burnt its budget is stuck in C code and is killed and replaced.
+  So grade() is bounded in time and memory from any thread, and the training process itself
+  never imports sympy.
 """
 
 import atexit, json, math, os, re, select, subprocess, sys, threading, time, unicodedata
@@ -58,7 +59,7 @@ def _load_dataset(name, config, split):
         return load_dataset(name, config, split=split)
     except Exception as e:  # no network, no cache, hub error: one actionable line, not a traceback
         raise RuntimeError(f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           f"offline? run the offline demo instead (arith task): python -m chat_rl --preset=demo") from None
+                           "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
 
 
 def load(split, limit=None):
@@ -166,7 +167,7 @@ SUBS = [  # (pattern, replacement), applied in order
     (r"\\%|%", ""),                                              # and so is percent
     (TEXT_CMD + r"\{\s*(?:or|and)\s*\}|\b(?:or|and)\b", ","),    # "17 or 18" is a list of two
     (r"\\mathrm\s*\{\s*([A-Za-z])\s*\}", r"\1"),                 # \mathrm{i}, \mathrm{e}
-    (r"\\frac\s*(\d|\{[^{}]*\})\s*(\d|\{[^{}]*\})", r"\\frac{\1}{\2}"),
+    (r"\\frac\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)", r"\\frac{\1}{\2}"),  # \frac\pi2
     (r"\\sqrt\s*(\d)", r"\\sqrt{\1}"),
     (r"\{\{([^{}]*)\}\}", r"{\1}"),
     (r"\{,\}", ","),                                             # 1{,}000
@@ -178,6 +179,7 @@ FRACTION = re.compile(r"(-?)\\frac\{(-?[0-9]+)\}\{(-?[0-9]+)\}|(-?)([0-9]+)/([0-
 
 
 def normalize(answer):
+    """The answer as plain LaTeX with decoration, units and look-alike unicode removed."""
     s = "".join(UNICODE.get(c, c) for c in answer if unicodedata.category(c) != "Cf")
     s = unicodedata.normalize("NFKC", s)
     for pattern, repl in SUBS:
@@ -326,7 +328,8 @@ class _OverBudget(BaseException):  # BaseException: sympy's "except Exception" m
 def _serve():
     import resource, signal
     _, hard = resource.getrlimit(resource.RLIMIT_AS)  # lower the soft limit only, never raise it
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard), hard))
+    soft = MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     armed = [False]
 
     def over_budget(*_):

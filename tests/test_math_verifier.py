@@ -75,6 +75,8 @@ EQUIV_CASES = [
     (r"\sqrt{2}/2", r"\frac{\sqrt2}{2}", True),
     (r"3\sqrt{13}", r"3 \sqrt{13}", True),
     (r"\frac{\pi}{2}", r"0.5\pi", True),
+    (r"\frac\pi2", r"\frac{\pi}{2}", True),
+    (r"\sqrt51", r"\sqrt{51}", False),                # LaTeX reads \sqrt51 as \sqrt{5}1
     # percent, degrees, units, money: decoration
     (r"50\%", "50", True),
     ("50", r"50\%", True),
@@ -106,6 +108,11 @@ EQUIV_CASES = [
     ("y = 2x - 3", "y=2x-3", True),
     ("2x-3", "y=2x-3", True),
     ("x = 5", "5", True),
+    ("y=-2x+5", "-2x+5", True),
+    ("-q + p", "p - q", True),
+    ("3/56", r"\frac{3}{56}", True),
+    (r"\$32,\!000", "32000", True),
+    (r"\begin{pmatrix} -1/3 \\ 2/3 \end{pmatrix}", r"\begin{pmatrix} -\frac13 \\ \frac23 \end{pmatrix}", True),
     ("5", "x=5", True),
     # matrices, complex numbers
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", True),
