@@ -2,12 +2,11 @@
 An offline task: procedurally generated GSM8K-style word problems, so the whole RL loop runs with
 no hub and no internet.
 
-    Q: Ava has 23 pens. She buys 4 boxes with 6 pens in each. Then she gives away 9 pens.
-       How many pens does Ava have now?
-    A: 4*6=24
-       23+24=47
-       47-9=38
-       #### 38
+    Q: Ava has 23 pens, buys 4 boxes of 5 pens and gives away 9. How many pens now?
+    A: 4*5=20
+       23+20=43
+       43-9=34
+       #### 34
 
 Rows use GSM8K's schema ({"question", "answer": "<steps>\\n#### N"}) and GSM8K's verifier, so the
 demo exercises exactly the code a GSM8K run uses. Generation is deterministic by seed, and a
@@ -43,36 +42,35 @@ def _problem(kind, nums, name, thing, slip_at=-1, delta=0):
 
     if kind == 0:
         a, b, c, d = nums
-        q = (f"{name} has {a} {thing}. {name} buys {b} boxes with {c} {thing} in each. "
-             f"Then {name} gives away {d} {thing}. How many {thing} does {name} have now?")
+        q = f"{name} has {a} {thing}, buys {b} boxes of {c} {thing} and gives away {d}. How many {thing} now?"
         answer = step(step(a, "+", step(b, "*", c)), "-", d)
     elif kind == 1:
         n, p, bill = nums
-        q = f"{thing.capitalize()} cost ${p} each. {name} buys {n} and pays with ${bill}. How much change does {name} get?"
+        q = f"{thing.capitalize()} cost ${p} each. {name} buys {n} and pays ${bill}. What is the change?"
         answer = step(bill, "-", step(n, "*", p))
     elif kind == 2:
         a, b, k = nums
-        q = (f"{name} reads {a} pages on Monday and {b} pages on Tuesday. On Wednesday {name} reads "
-             f"{k} times as many pages as on Monday. How many pages did {name} read in all?")
+        q = f"{name} reads {a} pages on Monday, {b} on Tuesday and {k} times Monday's pages on Wednesday. How many pages in all?"
         wed = step(k, "*", a)
         answer = step(step(a, "+", b), "+", wed)
     else:
         g, s, m, t = nums
-        q = (f"A club has {g} groups of {s} kids. {m} kids leave. The rest form {t} equal teams. "
-             f"How many kids are on each team?")
+        q = f"{g} groups of {s} kids meet. {m} kids leave and the rest form {t} equal teams. How many kids per team?"
         answer = step(step(step(g, "*", s), "-", m), "/", t)
     return q, steps, answer
 
 
 def _numbers(kind, rng):
+    # small numbers on purpose: a 0.8M-parameter byte-level model can learn this arithmetic, so
+    # what RL has to fix is the policy's unreliability, not missing knowledge
     if kind == 0:
-        return (rng.randint(10, 60), rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9))
+        return (rng.randint(10, 40), rng.randint(2, 5), rng.randint(2, 5), rng.randint(1, 9))
     if kind == 1:
-        n, p = rng.randint(2, 9), rng.randint(2, 12)
-        return (n, p, rng.choice([b for b in (20, 50, 100, 200) if b > n * p]))
+        n, p = rng.randint(2, 5), rng.randint(2, 9)
+        return (n, p, rng.choice([50, 100]))
     if kind == 2:
-        return (rng.randint(5, 60), rng.randint(5, 60), rng.randint(2, 4))
-    g, s, t = rng.randint(2, 9), rng.randint(3, 9), rng.randint(2, 5)
+        return (rng.randint(5, 30), rng.randint(5, 30), rng.randint(2, 3))
+    g, s, t = rng.randint(2, 6), rng.randint(3, 6), rng.randint(2, 5)
     r = (g * s) % t  # m = r + t*j leaves a multiple of t kids, so teams come out even
     m = r + t * rng.randint(0, (g * s - r) // t - 1)
     return (g, s, m or t, t)
