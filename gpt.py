@@ -116,12 +116,19 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
+        # RoPE runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote); under autocast bring q and k
+        # back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        if attn_mask is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:  # sampling with the KV cache and a padding mask
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_past + T, D)
-        # GQA: each group of n_head / n_kv_head query heads reads the same k/v head
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+            # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
+            # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
+            g = self.n_head // self.n_kv_head
+            q = q.reshape(B, self.n_kv_head, g * T, self.head_dim)
+            mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask  # row j*T + t is query t of head j
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -188,7 +195,8 @@ class GPT(nn.Module):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache knows each row's
-        pad count, so positions and the attention mask skip the padding.
+        pad count, so positions and the attention mask skip the padding; only the last position's
+        logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
@@ -207,16 +215,20 @@ class GPT(nn.Module):
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits = self.lm_head(x)
+            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
+            return self.lm_head(x[:, -1:])
         if targets is None:
-            return logits
-        # NLL in fp32 so that tiny log-prob differences survive bf16 autocast
-        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                              ignore_index=-1, reduction="none").view(B, T)
+            return self.lm_head(x)
+        # Project only the positions that have a target (completion tokens): prompt and padding positions
+        # would cost a (B, T, V) logit tensor for nothing. NLL in fp32 so small log-prob differences
+        # survive bf16 autocast.
+        valid = targets >= 0
+        nll = torch.zeros(B, T, device=x.device)
+        nll[valid] = F.cross_entropy(self.lm_head(x[valid]).float(), targets[valid], reduction="none")
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
-        return nll.sum() / (targets >= 0).sum().clamp(min=1)
+        return nll.sum() / valid.sum().clamp(min=1)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
