@@ -5,16 +5,21 @@ random weights, so it needs no download. Prints a table of step time, rollout to
     python -m bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
     python -m bench_rl_step --shape=demo --device-type=cpu
 
-A random model never samples a stop token, so every completion runs the full max_new_tokens (the
-worst case), and its answers are never right, so every group would be skipped; the verifier is
-therefore replaced by a deterministic coin flip so that every step also trains on all its rows.
+The model's weights are random and its tokenizer is the byte tokenizer: sampling covers those 261
+columns (the sampler's softmax over a real 152k vocabulary is a small share of a decode step; the
+lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
+token, so completions run long, and its answers are never right, so every group would be skipped:
+the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
 """
 
 import argparse
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+
+import torch
 
 import chat_rl
 import make_demo_model
@@ -46,7 +51,10 @@ def main():
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="bench_rl_")
     model_dir, out_dir = os.path.join(work, "model"), os.path.join(work, "run")
-    GPT(GPTConfig(**SHAPES[args.shape])).init_weights(0).save_pretrained(model_dir)
+    model = GPT(GPTConfig(**SHAPES[args.shape])).init_weights(0)
+    num_params = model.num_params()
+    model.save_pretrained(model_dir)
+    del model
     ByteTokenizer().save_pretrained(model_dir)
     arith.grade = coin_flip_grade
     code = chat_rl.main([f"--model={model_dir}", "--task=arith", f"--out-dir={out_dir}", f"--device-type={args.device_type}",
@@ -55,7 +63,9 @@ def main():
                          "--eval-every=-1", "--lr=1e-6", "--generate-batch-rows=256"])
     assert code == 0, f"chat_rl exited {code}"
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    print(f"\nshape={args.shape} params={GPT(GPTConfig(**SHAPES[args.shape])).num_params() / 1e6:.0f}M "
+    shutil.rmtree(work)  # the random model and its final checkpoint: gigabytes for a real shape
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device_type != "cpu" else "cpu"
+    print(f"\nshape={args.shape} params={num_params / 1e6:.0f}M device={device} torch={torch.__version__} "
           f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens")
     print(f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | {'trained tokens':>14} | {'peak GiB':>8}")
     for r in rows:

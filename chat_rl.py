@@ -86,8 +86,12 @@ PRESETS = {
 REPO = os.path.dirname(os.path.abspath(__file__))
 
 
-class ConfigError(ValueError):
-    """A bad flag or an impossible combination: reported as one line, before any work."""
+class RunError(Exception):
+    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite."""
+
+
+class ConfigError(RunError):
+    """A bad flag or an impossible combination: one line (exit 2), before any work."""
 
 
 def parse_config(argv):
@@ -139,8 +143,14 @@ def check_config(cfg, world_size):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive or -1 (off/derived), got {value}")
     if cfg.examples_per_step % world_size:
         raise ConfigError(f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks")
+    for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
     if cfg.temperature < 0 or cfg.top_k < 0 or cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.format_weight < 0:
         raise ConfigError("temperature, top_k, grad_clip and format_weight must be >= 0 and lr > 0")
+    if cfg.num_samples < 2 or cfg.temperature == 0:
+        # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
+        raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
     if cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
     if cfg.device_type not in ("", "cpu", "cuda", "mps"):
@@ -171,9 +181,9 @@ def setup_distributed(device_type):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device(device_type)
-        # ranks sharing one CPU split its cores instead of fighting over them
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # ranks sharing one CPU split its cores instead of fighting over them (unless the user said otherwise)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return rank, world, device
@@ -185,17 +195,21 @@ def all_reduce_sum(tensor):
     return tensor
 
 
-def load_policy(cfg, device):
+def load_policy(cfg, device, rank):
     from gpt import GPT
     from tokenizer import load_tokenizer
     path = cfg.model
     if path == "demo_model":
         path = os.path.join(REPO, "demo_model")
-        if not os.path.exists(os.path.join(path, "model.safetensors")):
+        if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors")):
             import make_demo_model  # the shipped demo model is missing: rebuild it (minutes, deterministic)
             make_demo_model.build(path)
-    # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
-    return GPT.from_pretrained(path, device=device), load_tokenizer(path)
+        if dist.is_initialized():
+            dist.barrier()  # the other ranks wait for rank 0's build
+    try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
+        return GPT.from_pretrained(path, device=device), load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise RunError(f"cannot load model {cfg.model!r}: {e}") from None
 
 
 # ---- rollouts -> rewards -> advantages ---------------------------------------------------------
@@ -208,7 +222,7 @@ def rollout(engine, task, rows, cfg, seed):
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], completions=[], truncated=[])
     for start in range(0, len(prompts), per_call):
         seqs, masks = engine.generate_batch(prompts[start:start + per_call], cfg.num_samples, cfg.max_new_tokens,
-                                            cfg.temperature, cfg.top_k, seed=seed + start)
+                                            cfg.temperature, cfg.top_k, seed=seed + start, include_stop=True)
         out["sequences"] += seqs
         out["masks"] += masks
     for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
@@ -218,7 +232,8 @@ def rollout(engine, task, rows, cfg, seed):
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["completions"].append(text)
-        out["truncated"].append(len(completion_ids) >= cfg.max_new_tokens)  # hit the budget without a stop token
+        # the budget ran out before a stop token (a row that stopped ends with one: include_stop)
+        out["truncated"].append(not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens)
     return out
 
 
@@ -228,7 +243,10 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
-    return adv.view(-1)
+    # a group of equal rewards has no signal; its float mean can be off by an ulp (16 x 0.1), so zero it
+    # exactly: that is what lets the loss skip the group
+    unanimous = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return adv.masked_fill(unanimous, 0.0).view(-1)
 
 
 # ---- loss -> step --------------------------------------------------------------------------------
@@ -257,6 +275,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, cfg, device, a
     num_samples = cfg.num_samples
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
+    keep.sort(key=lambda i: len(sequences[i]))  # similar lengths share a micro-batch: less padding
     tokens = torch.tensor([float(sum(masks[i][1:])) for i in keep] + [0.0]).sum().to(device)
     seq_count = torch.tensor(float(len(keep)), device=device)
     totals = all_reduce_sum(torch.stack([tokens, seq_count]))
@@ -327,14 +346,9 @@ def main(argv=None):
         check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group, model or data
         rank, world, device = setup_distributed(cfg.device_type)
         return train(cfg, rank, world, device)
-    except ConfigError as e:
+    except RunError as e:  # anything else is a bug and keeps its traceback
         print(f"chat_rl: error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, ValueError, FileNotFoundError, OSError) as e:
-        if isinstance(e, RuntimeError) and type(e) is not RuntimeError:
-            raise  # CUDA / torch internals: keep the traceback
-        print(f"chat_rl: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -346,8 +360,13 @@ def train(cfg, rank, world, device):
     from tasks.common import get_task
     print0 = print if rank == 0 else (lambda *a, **k: None)
     task = get_task(cfg.task)
-    train_rows, eval_rows = task.load("train"), task.load("test", limit=cfg.eval_examples)  # data before model: fail fast
+    try:  # data before the model: fail fast
+        train_rows, eval_rows = task.load("train"), task.load("test", limit=cfg.eval_examples)
+    except (RuntimeError, ValueError) as e:
+        raise RunError(str(e)) from None
     steps_per_epoch = len(train_rows) // cfg.examples_per_step
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{cfg.task} has {len(train_rows)} training problems, fewer than --examples-per-step={cfg.examples_per_step}")
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * steps_per_epoch
     start_step, state = 0, None
     if not cfg.resume and checkpoint.has_run(cfg.out_dir):
@@ -355,7 +374,12 @@ def train(cfg, rank, world, device):
     if cfg.resume:
         start_step, state = checkpoint.find_resumable(cfg, world)  # refuses corrupt or mismatched ones
         cfg.model = state["model_dir"] if start_step else cfg.model
-    model, tokenizer = load_policy(cfg, device)
+    if world > 1:  # every rank must have found the same checkpoint, and looked before rank 0 writes anything
+        found = torch.tensor([start_step, -start_step], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found[0] != -found[1]:
+            raise ConfigError(f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see")
+    model, tokenizer = load_policy(cfg, device, rank)
     engine = Engine(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
@@ -368,7 +392,7 @@ def train(cfg, rank, world, device):
     stop = checkpoint.StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     per_rank = cfg.examples_per_step // world
     last_pass1, nonfinite_in_row, t_start = float("nan"), 0, time.time()
-    steps_done = start_step
+    steps_done, last_saved = start_step, start_step if state else -1
     for step in range(start_step, num_steps + 1):
         steps_done = step
         if stop.requested(device):
@@ -403,41 +427,56 @@ def train(cfg, rank, world, device):
         optimizer.zero_grad(set_to_none=True)
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages, cfg, device, autocast)
         sync_gradients(model)
+        loss = float(all_reduce_sum(loss.detach().clone()))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")))
-        if not math.isfinite(grad_norm) or not math.isfinite(float(loss)):
-            nonfinite_in_row += 1  # same on every rank: the norm is of the summed gradient
+        if not math.isfinite(grad_norm) or not math.isfinite(loss):
+            nonfinite_in_row += 1  # the same on every rank: loss and norm are of the summed step
             print0(f"step {step}: non-finite loss/gradient, update skipped ({nonfinite_in_row} in a row)")
             if nonfinite_in_row >= cfg.max_nonfinite:
-                raise RuntimeError(f"{nonfinite_in_row} non-finite updates in a row at step {step}; "
-                                   f"lower --lr or check the model's dtype")
+                raise RunError(f"{nonfinite_in_row} non-finite updates in a row at step {step}; "
+                               f"lower --lr or check the model's dtype")
         elif valid_tokens > 0:
             nonfinite_in_row = 0
             optimizer.step()
         # metrics, reduced over ranks
         gen_tokens = sum(sum(m) for m in out["masks"])
         sums = all_reduce_sum(torch.tensor([sum(out["total"]), sum(out["answer"]), sum(out["format"]), gen_tokens,
-                                            sum(out["truncated"]), len(out["total"]), t_rollout], device=device).double())
+                                            sum(out["truncated"]), len(out["total"]), t_rollout], device=device))
         n = float(sums[5])
         dt = time.time() - t0
         row = dict(step=step, reward=sums[0] / n, reward_answer=sums[1] / n, reward_format=sums[2] / n,
-                   loss=float(all_reduce_sum(loss.detach().clone())), lr=lr, seq_len=sums[3] / n, truncated=sums[4] / n,
+                   loss=loss, lr=lr, seq_len=sums[3] / n, truncated=sums[4] / n,
                    valid_tokens=valid_tokens, grad_norm=grad_norm, rollout_tokens_per_s=sums[3] / (sums[6] / world),
                    step_time_s=dt, skipped_nonfinite=int(nonfinite_in_row > 0))
         if device.type == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        log.write({k: round(float(v), 6) if isinstance(v, (float, torch.Tensor)) else v for k, v in row.items()})
+        log.write({k: _json_number(v) for k, v in row.items()})
         eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
         print0(f"step {step + 1}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
                f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
                f"{dt:.1f}s | eta {eta / 60:.1f} min")
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
-    checkpoint.save(cfg, steps_done, model, tokenizer, optimizer, rank, world)
+            last_saved = step + 1
+    if steps_done != last_saved:  # a stop right after a save (or a resume) has nothing new to write
+        checkpoint.save(cfg, steps_done, model, tokenizer, optimizer, rank, world)
     print0(f"{'stopped' if steps_done < num_steps else 'done'} at step {steps_done}/{num_steps} after "
            f"{(time.time() - t_start) / 60:.1f} min; checkpoint in {cfg.out_dir}")
     log.close()
     return 0
 
 
+def _json_number(v):
+    """Round floats for a readable log; non-finite values become null (NaN is not JSON)."""
+    if isinstance(v, torch.Tensor):
+        v = float(v)
+    if isinstance(v, float):
+        return round(v, 6) if math.isfinite(v) else None
+    return v
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module, not this __main__ copy, so that checkpoint.py's `from chat_rl import
+    # ConfigError` names the very class main() catches
+    import chat_rl
+    sys.exit(chat_rl.main())

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,10 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
     if rank == 0:
         final = os.path.join(cfg.out_dir, f"step_{step:06d}")
         tmp = os.path.join(cfg.out_dir, f".tmp-step_{step:06d}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        for name in os.listdir(cfg.out_dir):  # leftovers of writes that a crash interrupted
+            if name.startswith(".tmp-step_"):
+                shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rngs, "world_size": world, "config": vars(cfg)}
@@ -57,10 +61,19 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(cfg.out_dir)  # the rename itself survives a power cut
         for old in _ckpt_dirs(cfg.out_dir)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(cfg.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def find_resumable(cfg, world):
@@ -111,13 +124,16 @@ class MetricsLog:
             return
         for name in ("metrics", "samples"):
             path = os.path.join(out_dir, f"{name}.jsonl")
-            kept = _rows_below(path, keep_below_step) if keep_below_step else []
-            self.files[name] = open(path, "w")
-            self.files[name].writelines(json.dumps(r) + "\n" for r in kept)
-            self.files[name].flush()
+            if keep_below_step:  # rewrite under a temporary name: a kill now must not lose the history
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in _rows_below(path, keep_below_step))
+                os.replace(path + ".tmp", path)
+            self.files[name] = open(path, "a" if keep_below_step else "w")
         if wandb_project:
+            import hashlib
             import wandb  # optional dependency, only when asked for
-            self.wandb = wandb.init(project=wandb_project, config=config, resume="allow")
+            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:12]  # a resumed run continues its W&B run
+            self.wandb = wandb.init(project=wandb_project, config=config, id=run_id, resume="allow")
 
     def write(self, row, samples=()):
         if not self.enabled:
@@ -153,18 +169,27 @@ def _rows_below(path, step):
 
 
 class StopFlag:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask for a stop at the next step boundary; a second
-    signal kills at once. All ranks agree through one all-reduce, so every rank stops at the same step."""
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask for a stop at the next step boundary. All ranks
+    agree through one all-reduce, so every rank stops at the same step. Repeats are expected (torchrun
+    and Slurm forward signals a worker also gets directly) and ignored, except a Ctrl-C pressed again
+    after a few seconds: that one kills at once. Under torchrun, give the checkpoint time to be written
+    (torchrun's --shutdown-timeout, 30 s by default, after which it kills the workers)."""
 
     def __init__(self):
-        self.flag = False
+        self.flag, self.first = False, None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
-        self.flag = True
-        signal.signal(signum, signal.SIG_DFL)
-        print(f"\nchat_rl: got {signal.Signals(signum).name}; stopping after this step with a checkpoint", flush=True)
+        now = time.monotonic()
+        if self.first is not None:
+            if signum == signal.SIGINT and now - self.first > 3:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            return
+        self.flag, self.first = True, now
+        # os.write, not print: print is not safe inside a signal handler (re-entrant stdout)
+        os.write(2, f"\nchat_rl: got {signal.Signals(signum).name}; stopping after this step with a checkpoint\n".encode())
 
     def requested(self, device):
         flag = torch.tensor(float(self.flag), device=device)

@@ -86,11 +86,13 @@ class Engine:
         self.tokenizer = tokenizer
 
     @torch.inference_mode()
-    def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0):
+    def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
+                       include_stop=False):
         """
         prompts: list of P token-id lists. Returns (sequences, masks), P * num_samples of each,
-        prompt-major: sequence = prompt + generated tokens (the stop token excluded); mask has
-        0 on prompt tokens and 1 on sampled ones.
+        prompt-major: sequence = prompt + generated tokens (the stop token excluded, unless
+        include_stop: RL wants it, since ending the answer is a choice the policy makes too);
+        mask has 0 on prompt tokens and 1 on sampled ones.
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
@@ -123,11 +125,11 @@ class Engine:
                 break
             logits = model(token[:, None], kv_cache=cache)[:, -1]
 
-        out, n_generated = out.tolist(), n_generated.tolist()
+        out, n_generated, done = out.tolist(), n_generated.tolist(), done.tolist()
         sequences, masks = [], []
         for row in range(B):
             prompt = prompts[row // num_samples]
-            completion = out[row][:n_generated[row]]
+            completion = out[row][:n_generated[row] + (include_stop and done[row])]
             sequences.append(list(prompt) + completion)
             masks.append([0] * len(prompt) + [1] * len(completion))
         return sequences, masks

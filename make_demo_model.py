@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from chat_rl import make_batch
 from gpt import GPT, GPTConfig
 from tasks import arith
 from tasks.common import conversation
@@ -39,23 +40,16 @@ OUT = "demo_model"
 
 
 def batch_of(rows, tokenizer, rng):
-    """Render a list of rows into (inputs, targets); targets are -1 outside the assistant's answer."""
-    seqs = []
+    """Render rows (a SLIP_RATE share with a slipped solution) into (inputs, targets), -1 outside the answers."""
+    seqs, masks = [], []
     for row in rows:
         conv = conversation(arith, row, with_solution=True)
         if rng.random() < SLIP_RATE:
             conv["messages"][-1]["content"] = arith.solution_with_slip(row, rng)
         ids, mask = tokenizer.render_conversation(conv)
-        seqs.append((ids, mask))
-    T = max(len(ids) for ids, _ in seqs) - 1
-    inputs = torch.zeros(len(seqs), T, dtype=torch.long)
-    targets = torch.full((len(seqs), T), -1, dtype=torch.long)
-    for i, (ids, mask) in enumerate(seqs):
-        n = len(ids) - 1
-        inputs[i, :n] = torch.tensor(ids[:-1])
-        # predict token t+1 from tokens <= t, only where token t+1 is the assistant's
-        targets[i, :n] = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:])])
-    return inputs, targets
+        seqs.append(ids)
+        masks.append(mask)
+    return make_batch(seqs, masks, "cpu")  # the same batching as RL's loss: targets only where mask is 1
 
 
 def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, log=print):

@@ -18,7 +18,6 @@ load_tokenizer(folder or hub id) picks the one a folder was saved with; save_pre
 
 import json
 import os
-import shutil
 
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 
@@ -99,6 +98,13 @@ class HFTokenizer:
     def __init__(self, folder):
         from tokenizers import Tokenizer  # imported here: the demo's byte tokenizer does not need it
         self.folder = folder
+        # the files' bytes are kept: a resumed run loads from a checkpoint folder that checkpoint
+        # pruning later deletes, and every later checkpoint must still carry the tokenizer
+        self.files = {}
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(folder, name)):
+                with open(os.path.join(folder, name), "rb") as f:
+                    self.files[name] = f.read()
         self.tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         config = _read_json_if_any(folder, "tokenizer_config.json")
         special_map = _read_json_if_any(folder, "special_tokens_map.json")
@@ -173,10 +179,9 @@ class HFTokenizer:
     def save_pretrained(self, path):
         """Copy the tokenizer files; generation_config.json gets the stop tokens so transformers' generate stops where we do."""
         os.makedirs(path, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            src, dst = os.path.join(self.folder, name), os.path.join(path, name)
-            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(dst):
-                shutil.copyfile(src, dst)
+        for name, data in self.files.items():
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(data)
         generation = _read_json_if_any(path, "generation_config.json")  # keeps the model's sampling defaults
         generation["eos_token_id"] = sorted(self.stop_tokens)
         if self.bos_id is not None:

@@ -87,12 +87,16 @@ def load(split, limit=None, seed=0):
         raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
     n = limit or (20000 if split == "train" else 500)
     rng = random.Random(f"arith-{split}-{seed}")
-    rows, seen = [], set()
+    rows, seen, misses = [], set(), 0
     while len(rows) < n:
         kind = rng.randrange(4)
         nums = _numbers(kind, rng)
         if _split_of(kind, nums) != split or (split == "test" and (kind, nums) in seen):
-            continue  # test problems are distinct, so pass@1 over N rows means N problems
+            misses += 1  # test problems are distinct, so pass@1 over N rows means N problems
+            if misses > 200_000:
+                raise ValueError(f"arith has only about {len(rows)} distinct {split} problems; ask for fewer")
+            continue
+        misses = 0
         seen.add((kind, nums))
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
         q, steps, answer = _problem(kind, nums, name, thing)
@@ -116,10 +120,12 @@ def solution(row):
 def solution_with_slip(row, rng):
     """The worked solution with one step's result off by 1-3 (never 0), carried to the end."""
     num_steps = row["answer"].count("\n")
-    delta = rng.choice([-3, -2, -1, 1, 2, 3])
-    _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"],
-                                slip_at=rng.randrange(num_steps), delta=delta)
-    return "\n".join(steps) + f"\n#### {answer}"
+    while True:  # a slip swallowed by a later step (13//5 == 12//5) would teach a wrong line with a right answer
+        delta = rng.choice([-3, -2, -1, 1, 2, 3])
+        _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"],
+                                    slip_at=rng.randrange(num_steps), delta=delta)
+        if str(answer) != reference(row):
+            return "\n".join(steps) + f"\n#### {answer}"
 
 
 # the verifier is GSM8K's: the demo trains against exactly the rule a GSM8K run uses

@@ -48,6 +48,10 @@ CASES = [
     (["--eval-examples=0"], "must be positive"),
     (["--temperature=-0.5"], "must be >= 0"),
     (["--lr=0"], "lr > 0"),
+    (["--lr=nan"], "must be a finite number"),
+    (["--temperature=inf"], "must be a finite number"),
+    (["--num-samples=1"], "--num-samples >= 2"),
+    (["--temperature=0"], "--temperature > 0"),
     (["--eval-every=0"], "positive or -1"),
     (["--save-every=0"], "positive or -1"),
     (["--save-every=-5"], "positive or -1"),
@@ -71,6 +75,15 @@ def test_examples_per_step_must_divide_among_ranks():
     cfg = chat_rl.parse_config(["--preset=demo", "--examples-per-step=3"])
     with pytest.raises(chat_rl.ConfigError, match="not divisible by the 2 ranks"):
         chat_rl.check_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--examples-per-step=30000"], "fewer than --examples-per-step=30000"),
+    (["--eval-examples=5000"], "distinct test problems; ask for fewer"),
+])
+def test_impossible_data_arithmetic_is_refused(argv, reason, capsys, no_model_loading, tmp_path):
+    code, err = run(["--preset=demo", f"--out-dir={tmp_path / 'run'}"] + argv, capsys)
+    assert code != 0 and len(err) == 1 and reason in err[0], err
 
 
 def test_gsm8k_offline_says_how_to_run_the_demo(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):

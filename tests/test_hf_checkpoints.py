@@ -7,6 +7,7 @@ as apply_chat_template does. transformers is a test-only dependency, imported in
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -311,3 +312,13 @@ def test_tokenizers_save_and_load_back(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(ValueError, match="neither tokenizer.json"):
         load_tokenizer(str(tmp_path / "bare"))
+
+
+def test_tokenizer_still_saves_after_its_source_folder_is_deleted(tmp_path):
+    # a resumed run loads its tokenizer from a checkpoint folder that pruning later deletes
+    source = make_tokenizer_folder(tmp_path / "step_000100")
+    tok = load_tokenizer(source)
+    shutil.rmtree(source)
+    tok.save_pretrained(tmp_path / "step_000300")
+    again = load_tokenizer(str(tmp_path / "step_000300"))
+    assert again.render_conversation(CONVERSATION) == tok.render_conversation(CONVERSATION)
