@@ -30,8 +30,8 @@ from tokenizer import ByteTokenizer
 # ---- hyperparameters -----------------------------------------------------------------------
 CONFIG = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-SLIP_RATE = 0.25      # share of demonstrations with one arithmetic slip
-NUM_STEPS = 1500
+SLIP_RATE = 0.4       # share of demonstrations with one arithmetic slip
+NUM_STEPS = 2400
 BATCH_SIZE = 32
 LR = 3e-3
 WARMUP = 50
@@ -39,12 +39,12 @@ SEED = 0
 OUT = "demo_model"
 
 
-def batch_of(rows, tokenizer, rng):
+def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE):
     """Render rows (a SLIP_RATE share with a slipped solution) into (inputs, targets), -1 outside the answers."""
     seqs, masks = [], []
     for row in rows:
         conv = conversation(arith, row, with_solution=True)
-        if rng.random() < SLIP_RATE:
+        if rng.random() < slip_rate:
             conv["messages"][-1]["content"] = arith.solution_with_slip(row, rng)
         ids, mask = tokenizer.render_conversation(conv)
         seqs.append(ids)
@@ -52,12 +52,12 @@ def batch_of(rows, tokenizer, rng):
     return make_batch(seqs, masks, "cpu")  # the same batching as RL's loss: targets only where mask is 1
 
 
-def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, log=print):
+def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=print):
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = ByteTokenizer()
     model = GPT(GPTConfig(**CONFIG)).init_weights(seed)
-    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, slip rate {SLIP_RATE}")
+    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, slip rate {slip_rate}")
     rows = arith.load("train", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     t0 = time.time()
@@ -65,7 +65,7 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, log=print):
         lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)  # warmup, then linear decay to 0
         for group in opt.param_groups:
             group["lr"] = lr
-        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng)
+        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng, slip_rate)
         loss = model(inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -99,5 +99,6 @@ if __name__ == "__main__":
     p.add_argument("--out", default=OUT)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--num-steps", type=int, default=NUM_STEPS)
+    p.add_argument("--slip-rate", type=float, default=SLIP_RATE)
     args = p.parse_args()
-    build(args.out, args.seed, args.num_steps)
+    build(args.out, args.seed, args.num_steps, args.slip_rate)
