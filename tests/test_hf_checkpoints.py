@@ -322,3 +322,36 @@ def test_tokenizer_still_saves_after_its_source_folder_is_deleted(tmp_path):
     tok.save_pretrained(tmp_path / "step_000300")
     again = load_tokenizer(str(tmp_path / "step_000300"))
     assert again.render_conversation(CONVERSATION) == tok.render_conversation(CONVERSATION)
+
+
+def test_chat_rl_trains_from_a_hugging_face_folder_and_its_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
+    # --model=<folder transformers wrote>: a Qwen2 model with its own BPE tokenizer and chat template
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import chat_rl
+    from tasks import arith
+    # a random model is never right: grade by the parity of the completion's length so groups disagree
+    monkeypatch.setattr(arith, "grade", lambda completion, reference: len(completion) % 2 == 0)
+    folder = tmp_path / "qwen2_chat"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(transformers_config_with_vocab(320)).save_pretrained(folder)
+    make_tokenizer_folder(folder)
+    out = tmp_path / "run"
+    code = chat_rl.main(["--task=arith", f"--model={folder}", f"--out-dir={out}", "--device-type=cpu", "--num-steps=2",
+                         "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=5", "--eval-every=-1",
+                         "--lr=1e-3"])
+    assert code == 0
+    trained = out / "step_000002"
+    assert (trained / "tokenizer.json").exists() and (trained / "tokenizer_config.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    reloaded = AutoModelForCausalLM.from_pretrained(trained).eval()
+    ours = GPT.from_pretrained(str(trained)).eval()
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "what is two plus two?"}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]])
+    assert torch.allclose(reloaded(ids).logits, ours(ids), atol=1e-4)
+    original = GPT.from_pretrained(str(folder))
+    assert not torch.equal(original.lm_head.weight, ours.lm_head.weight)  # it did train
+
+
+def transformers_config_with_vocab(vocab):
+    import transformers
+    return transformers.Qwen2Config(**{**COMMON, "vocab_size": vocab}, tie_word_embeddings=True)
