@@ -80,7 +80,7 @@ PRESETS = {
     # Offline demo: tiny byte-level model (make_demo_model.py) on tasks/arith.py; minutes on 1 CPU.
     "demo": dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
                  examples_per_step=16, num_samples=16, max_new_tokens=48, device_batch_size=64,
-                 lr=3e-4, num_steps=250, eval_every=50, eval_examples=200, eval_samples=8),
+                 lr=3e-4, num_steps=300, eval_every=50, eval_examples=200, eval_samples=8),
 }
 
 REPO = os.path.dirname(os.path.abspath(__file__))

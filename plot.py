@@ -1,8 +1,8 @@
 """
 Plot a run: python -m plot <out_dir> [more out_dirs ...] [--out=file.png]
 
-Four panels against step: mean reward, held-out pass@k, mean completion length and truncation
-rate. Several out_dirs (e.g. seeds) share the axes. Written to <first out_dir>/metrics.png.
+Four panels against step: mean reward, held-out pass@1 (solid) and the largest pass@k logged
+(dashed), mean completion length and truncation rate. Several out_dirs (e.g. seeds) share the axes. Written to <first out_dir>/metrics.png.
 matplotlib is imported here only, so training never needs it.
 """
 
@@ -31,18 +31,19 @@ def plot(out_dirs, path=None):
     except ImportError:
         raise SystemExit("plot: matplotlib is not installed (pip install matplotlib)") from None
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for out_dir in out_dirs:
+    for i, out_dir in enumerate(out_dirs):
         train, evals = read_metrics(out_dir)
-        label = os.path.basename(os.path.normpath(out_dir))
+        label, color = os.path.basename(os.path.normpath(out_dir)), f"C{i}"  # one colour per run in every panel
         steps = [r["step"] for r in train]
-        axes[0, 0].plot(steps, [r["reward"] for r in train], label=label, alpha=0.8)
-        ks = sorted((k for k in (evals[0] if evals else {}) if k.startswith("pass@")), key=lambda k: int(k[5:]))
-        for k in ks:
-            axes[0, 1].plot([r["step"] for r in evals], [r[k] for r in evals], marker="o", ms=3,
-                            label=f"{label} {k}", alpha=0.9 if k == "pass@1" else 0.4)
-        axes[1, 0].plot(steps, [r["seq_len"] for r in train], label=label)
-        axes[1, 1].plot(steps, [r.get("truncated", 0.0) for r in train], label=label)
-    for ax, title in zip(axes.flat, ["mean reward (train)", "held-out pass@k (temperature 1.0)",
+        axes[0, 0].plot(steps, [r["reward"] for r in train], color=color, label=label, alpha=0.7)
+        ks = sorted((int(k[5:]) for k in (evals[0] if evals else {}) if k.startswith("pass@")))
+        eval_steps = [r["step"] for r in evals]
+        for k, style in ((ks[0], "-"), (ks[-1], "--")) if ks else ():  # the headline pass@1 and the widest pass@k
+            axes[0, 1].plot(eval_steps, [r[f"pass@{k}"] for r in evals], style, marker="o", ms=3, color=color,
+                            label=f"{label} pass@{k}")
+        axes[1, 0].plot(steps, [r["seq_len"] for r in train], color=color, label=label, alpha=0.7)
+        axes[1, 1].plot(steps, [r.get("truncated", 0.0) for r in train], color=color, label=label)
+    for ax, title in zip(axes.flat, ["mean reward (train)", "held-out pass@1 and pass@k (temperature 1.0)",
                                      "mean completion tokens", "truncated completions (fraction)"]):
         ax.set_title(title)
         ax.set_xlabel("step")
