@@ -27,10 +27,8 @@ Run it:
 Every hyperparameter below is a flag: --num-samples=8, --lr=1e-6, ...; `--help` lists them.
 """
 
-import json
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -38,6 +36,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+from flags import ConfigError, RunError, check_config, parse_config as parse_flags
 
 # ---- hyperparameters: name = (default, help). Flags override them: --name=value ---------------
 HYPERPARAMETERS = dict(
@@ -77,97 +77,13 @@ HYPERPARAMETERS = dict(
 )
 
 PRESETS = {
-    # Offline demo: tiny byte-level model (make_demo_model.py) on tasks/arith.py; minutes on 1 CPU.
+    # Offline demo: tiny byte-level model (tools/make_demo_model.py) on tasks/arith.py; minutes on 1 CPU.
     "demo": dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
                  examples_per_step=16, num_samples=16, max_new_tokens=48, device_batch_size=64,
                  lr=3e-4, num_steps=300, eval_every=50, eval_examples=200, eval_samples=8),
 }
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-
-
-class RunError(Exception):
-    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite."""
-
-
-class ConfigError(RunError):
-    """A bad flag or an impossible combination: one line (exit 2), before any work."""
-
-
-def parse_config(argv):
-    """--name=value flags over the preset over the defaults; unknown names and bad values raise ConfigError."""
-    if "--help" in argv or "-h" in argv:
-        print(__doc__.strip().split("\n")[0] + "\n\nflags (default):")
-        for name, (default, help) in HYPERPARAMETERS.items():
-            print(f"  --{name.replace('_', '-'):<22} {help} ({default!r})")
-        sys.exit(0)
-    flags = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r} (flags look like --name=value)")
-        name, has_value, value = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if name not in HYPERPARAMETERS:
-            raise ConfigError(f"unknown flag --{name.replace('_', '-')} (see --help)")
-        default = HYPERPARAMETERS[name][0]
-        if not has_value and not isinstance(default, bool):
-            raise ConfigError(f"--{name.replace('_', '-')} needs a value")
-        flags[name] = _convert(name, value if has_value else "true", default)
-    preset = flags.get("preset", "")
-    if preset and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    return SimpleNamespace(**{**{k: d for k, (d, _) in HYPERPARAMETERS.items()}, **PRESETS.get(preset, {}), **flags})
-
-
-def _convert(name, value, default):
-    try:
-        if isinstance(default, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return value.lower() in ("true", "1")
-        return type(default)(value)
-    except ValueError:
-        raise ConfigError(f"--{name.replace('_', '-')}={value!r}: expected {type(default).__name__}") from None
-
-
-def check_config(cfg, world_size):
-    """Impossible or nonsensical settings, each refused with its reason."""
-    from tasks.common import TASKS
-    for name in ("examples_per_step", "num_samples", "max_new_tokens", "device_batch_size", "eval_examples",
-                 "eval_samples", "generate_batch_rows", "num_epochs", "keep_checkpoints", "max_nonfinite"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("eval_every", "save_every", "num_steps"):
-        value = getattr(cfg, name)
-        if value == 0 or value < -1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive or -1 (off/derived), got {value}")
-    if cfg.examples_per_step % world_size:
-        raise ConfigError(f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks")
-    for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
-        if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
-    if cfg.temperature < 0 or cfg.top_k < 0 or cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.format_weight < 0:
-        raise ConfigError("temperature, top_k, grad_clip and format_weight must be >= 0 and lr > 0")
-    if cfg.num_samples < 2 or cfg.temperature == 0:
-        # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
-        raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
-    if cfg.task not in TASKS:
-        raise ConfigError(f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
-    if cfg.device_type not in ("", "cpu", "cuda", "mps"):
-        raise ConfigError(f"unknown --device-type {cfg.device_type!r} (cpu | cuda | mps, or empty to autodetect)")
-    if cfg.device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device-type=cuda but no CUDA device is visible")
-    if cfg.device_type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("--device-type=mps but MPS is not available on this machine")
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
-        raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
-    if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
-        raise ConfigError(f"--model={cfg.model!r}: no such folder (and not a hub id like Qwen/Qwen2.5-0.5B-Instruct)")
-
-
-def _looks_like_hub_id(name):
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
 # ---- setup ------------------------------------------------------------------------------------
@@ -201,11 +117,9 @@ def load_policy(cfg, device, rank):
     path = cfg.model
     if path == "demo_model":
         path = os.path.join(REPO, "demo_model")
-        if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors")):
-            import make_demo_model  # the shipped demo model is missing: rebuild it (minutes, deterministic)
-            make_demo_model.build(path)
-        if dist.is_initialized():
-            dist.barrier()  # the other ranks wait for rank 0's build
+        if not os.path.exists(os.path.join(path, "model.safetensors")):
+            raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
+                           f"or rebuild it with `python -m tools.make_demo_model` (about 20 minutes)")
     try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
         return GPT.from_pretrained(path, device=device), load_tokenizer(path)
     except (OSError, ValueError) as e:
@@ -475,8 +389,9 @@ def _json_number(v):
     return v
 
 
+def parse_config(argv):
+    return parse_flags(argv, HYPERPARAMETERS, PRESETS, __doc__)
+
+
 if __name__ == "__main__":
-    # run the importable module, not this __main__ copy, so that checkpoint.py's `from chat_rl import
-    # ConfigError` names the very class main() catches
-    import chat_rl
-    sys.exit(chat_rl.main())
+    sys.exit(main())

@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from flags import ConfigError
+
 # settings that may change between a run and its resumption without changing what it computes
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
               "max_nonfinite", "device_type", "model"}
@@ -79,7 +81,6 @@ def _fsync_dir(path):
 def find_resumable(cfg, world):
     """(step, state) of the latest checkpoint in out_dir, or (0, None) if there is none yet.
     A checkpoint that cannot be read, or whose config differs in a way that matters, is refused."""
-    from chat_rl import ConfigError
     dirs = _ckpt_dirs(cfg.out_dir)
     if not dirs:
         return 0, None

@@ -16,7 +16,7 @@ in training, whatever the names and objects around it.
 `solution_with_slip` writes the same worked solution with one arithmetic step off by a little,
 the error carried through to a wrong final answer. Supervised on a mix of clean and slipped
 solutions, a tiny model becomes competent but unreliable when sampled: exactly the starting point
-where RL with a verifier has signal to work with (see make_demo_model.py).
+where RL with a verifier has signal to work with (see tools/make_demo_model.py).
 """
 
 import hashlib

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import chat_rl
+import flags
 import checkpoint
 from gpt import GPT, GPTConfig
 from tokenizer import ByteTokenizer
@@ -73,7 +74,7 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
 
 def test_examples_per_step_must_divide_among_ranks():
     cfg = chat_rl.parse_config(["--preset=demo", "--examples-per-step=3"])
-    with pytest.raises(chat_rl.ConfigError, match="not divisible by the 2 ranks"):
+    with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks"):
         chat_rl.check_config(cfg, world_size=2)
 
 

@@ -173,7 +173,7 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():
-    from bench_verifiers import adversarial_cases
+    from tools.bench_verifiers import adversarial_cases
     for name, task, completion, reference in adversarial_cases():
         if task is gsm8k:
             assert gsm8k.grade(completion, reference) is False, name

@@ -1,5 +1,5 @@
 """
-Plot a run: python -m plot <out_dir> [more out_dirs ...] [--out=file.png]
+Plot a run: python -m tools.plot <out_dir> [more out_dirs ...] [--out=file.png]
 
 Four panels against step: mean reward, held-out pass@1 (solid) and the largest pass@k logged
 (dashed), mean completion length and truncation rate. Several out_dirs (e.g. seeds) share the axes. Written to <first out_dir>/metrics.png.
@@ -60,5 +60,5 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--out=")]
     outs = [a[6:] for a in sys.argv[1:] if a.startswith("--out=")]
     if not args or any(not os.path.exists(os.path.join(a, "metrics.jsonl")) for a in args):
-        raise SystemExit("usage: python -m plot <out_dir> [<out_dir> ...] [--out=file.png] (each holding metrics.jsonl)")
+        raise SystemExit("usage: python -m tools.plot <out_dir> [<out_dir> ...] [--out=file.png] (each holding metrics.jsonl)")
     print(plot(args, outs[0] if outs else None))

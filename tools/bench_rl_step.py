@@ -2,8 +2,8 @@
 Benchmark of whole RL steps (rollout + reward + backward + AdamW) on a model of a real shape with
 random weights, so it needs no download. Prints a table of step time, rollout tokens/s and peak memory.
 
-    python -m bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
-    python -m bench_rl_step --shape=demo --device-type=cpu
+    python -m tools.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
+    python -m tools.bench_rl_step --shape=demo --device-type=cpu
 
 The model's weights are random and its tokenizer is the byte tokenizer: sampling covers those 261
 columns (the sampler's softmax over a real 152k vocabulary is a small share of a decode step; the
@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 import chat_rl
-import make_demo_model
+from tools import make_demo_model
 from gpt import GPT, GPTConfig
 from tasks import arith
 from tokenizer import ByteTokenizer

@@ -9,10 +9,10 @@ all right (nothing to learn). So the demonstrations mix clean worked solutions w
 The supervised model then knows the procedure but slips now and then when sampled, and RL's job
 is to make it stop slipping: RL with a verifier ends up better than its teacher.
 
-    python -m make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
-    python -m make_demo_model --seed=1 --out=/tmp/m
+    python -m tools.make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
+    python -m tools.make_demo_model --seed=1 --out=/tmp/m
 
-chat_rl.py calls build() itself when demo_model/ is missing, so a fresh machine needs nothing else.
+demo_model/ ships with the repository; this rebuilds it (chat_rl stops with this command if it is missing).
 """
 
 import argparse
