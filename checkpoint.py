@@ -1,6 +1,5 @@
 """
-What lets a run survive: checkpoints that resume exactly, a stop flag for preemption, and the
-metrics log that a resumed run rewinds.
+Checkpoints that resume exactly, and the decision where a run starts.
 
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
@@ -15,11 +14,10 @@ crash mid-write leaves a `.tmp-` folder that is never mistaken for a checkpoint.
 import json
 import os
 import shutil
-import signal
-import time
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from flags import ConfigError
 
@@ -78,6 +76,21 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+def resume_point(cfg, world, device):
+    """(start_step, state): where this run starts. A fresh run refuses an out_dir that already holds
+    one; --resume takes the latest complete checkpoint (state None if there is none yet, so a
+    preemption script can always pass --resume). Every rank must find the same one."""
+    if not cfg.resume and has_run(cfg.out_dir):
+        raise ConfigError(f"{cfg.out_dir} already holds a run: pass --resume to continue it, or choose another --out-dir")
+    start_step, state = find_resumable(cfg, world) if cfg.resume else (0, None)
+    if world > 1:  # and they must have looked before rank 0 writes anything
+        found = torch.tensor([start_step, -start_step], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found[0] != -found[1]:
+            raise ConfigError(f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see")
+    return start_step, state
+
+
 def find_resumable(cfg, world):
     """(step, state) of the latest checkpoint in out_dir, or (0, None) if there is none yet.
     A checkpoint that cannot be read, or whose config differs in a way that matters, is refused."""
@@ -89,7 +102,6 @@ def find_resumable(cfg, world):
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
         with open(os.path.join(path, "config.json")) as f:
             json.load(f)
-        from safetensors import safe_open
         with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
             list(f.keys())
     except Exception as e:
@@ -112,88 +124,3 @@ def restore(state, optimizer, rank):
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-
-
-class MetricsLog:
-    """metrics.jsonl and samples.jsonl, written by rank 0, one JSON object a line, flushed as it goes.
-    On resume from step s, rows of step >= s (written after that checkpoint) are dropped: they are redone."""
-
-    def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
-        self.enabled = rank == 0
-        self.files, self.wandb = {}, None
-        if not self.enabled:
-            return
-        for name in ("metrics", "samples"):
-            path = os.path.join(out_dir, f"{name}.jsonl")
-            if keep_below_step:  # rewrite under a temporary name: a kill now must not lose the history
-                with open(path + ".tmp", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in _rows_below(path, keep_below_step))
-                os.replace(path + ".tmp", path)
-            self.files[name] = open(path, "a" if keep_below_step else "w")
-        if wandb_project:
-            import hashlib
-            import wandb  # optional dependency, only when asked for
-            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:12]  # a resumed run continues its W&B run
-            self.wandb = wandb.init(project=wandb_project, config=config, id=run_id, resume="allow")
-
-    def write(self, row, samples=()):
-        if not self.enabled:
-            return
-        self.files["metrics"].write(json.dumps(row) + "\n")
-        self.files["metrics"].flush()
-        for s in samples:
-            self.files["samples"].write(json.dumps({"step": row["step"], **s}) + "\n")
-        self.files["samples"].flush()
-        if self.wandb is not None:
-            prefix = "eval/" if row.get("split") == "eval" else "train/"
-            self.wandb.log({prefix + k: v for k, v in row.items() if k not in ("step", "split")}, step=row["step"])
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def _rows_below(path, step):
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the torn last line of a killed run
-                if row["step"] < step:
-                    rows.append(row)
-    return rows
-
-
-class StopFlag:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask for a stop at the next step boundary. All ranks
-    agree through one all-reduce, so every rank stops at the same step. Repeats are expected (torchrun
-    and Slurm forward signals a worker also gets directly) and ignored, except a Ctrl-C pressed again
-    after a few seconds: that one kills at once. Under torchrun, give the checkpoint time to be written
-    (torchrun's --shutdown-timeout, 30 s by default, after which it kills the workers)."""
-
-    def __init__(self):
-        self.flag, self.first = False, None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        now = time.monotonic()
-        if self.first is not None:
-            if signum == signal.SIGINT and now - self.first > 3:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            return
-        self.flag, self.first = True, now
-        # os.write, not print: print is not safe inside a signal handler (re-entrant stdout)
-        os.write(2, f"\nchat_rl: got {signal.Signals(signum).name}; stopping after this step with a checkpoint\n".encode())
-
-    def requested(self, device):
-        flag = torch.tensor(float(self.flag), device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag > 0)

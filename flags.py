@@ -1,9 +1,14 @@
 """
-Flags and their checks, kept out of chat_rl.py's reading line: --name=value over a preset over the
-defaults of chat_rl.HYPERPARAMETERS, and every impossible or nonsensical combination refused with a
-one-line reason before any process group, model or data is touched.
+Flags and their checks, kept out of chat_rl.py's reading line.
+
+chat_rl.HYPERPARAMETERS maps each name to (default, demo value, help). A run starts from the
+default column, or the demo column with --preset=demo, and command-line flags win over both:
+--name=value and --name value both work, as in every argparse script; a bare --name sets a
+boolean. Every impossible or nonsensical combination is refused with a one-line reason
+(ConfigError) before any process group, model or data is touched.
 """
 
+import difflib
 import math
 import os
 import sys
@@ -12,6 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from tasks.common import TASKS
+
+PRESETS = ("demo",)  # the second column of chat_rl.HYPERPARAMETERS
 
 
 class RunError(Exception):
@@ -22,40 +29,58 @@ class ConfigError(RunError):
     """A bad flag or an impossible combination: one line (exit 2), before any work."""
 
 
-def parse_config(argv, hyperparameters, presets, doc=""):
-    """--name=value flags over the preset over the defaults; unknown names and bad values raise ConfigError."""
+def parse_config(argv, hyperparameters, doc=""):
+    """Flags over the chosen column of hyperparameters; unknown names and bad values raise ConfigError."""
     if "--help" in argv or "-h" in argv:
-        print(doc.strip().split("\n")[0] + "\n\nflags (default):")
-        for name, (default, help) in hyperparameters.items():
-            print(f"  --{name.replace('_', '-'):<22} {help} ({default!r})")
+        print_help(hyperparameters, doc)
         sys.exit(0)
-    flags = {}
-    for arg in argv:
+    flags, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r} (flags look like --name=value)")
+            raise ConfigError(f"unexpected argument {arg!r} (flags look like --name=value or --name value)")
         name, has_value, value = arg[2:].partition("=")
         name = name.replace("-", "_")
-        if name not in hyperparameters:
-            raise ConfigError(f"unknown flag --{name.replace('_', '-')} (see --help)")
-        default = hyperparameters[name][0]
-        if not has_value and not isinstance(default, bool):
+        if name != "preset" and name not in hyperparameters:
+            close = difflib.get_close_matches(name, [*hyperparameters, "preset"], n=1)
+            hint = f"did you mean --{close[0].replace('_', '-')}?" if close else "see --help"
+            raise ConfigError(f"unknown flag --{name.replace('_', '-')} ({hint})")
+        is_bool = name != "preset" and isinstance(hyperparameters[name][0], bool)
+        next_is_value = i < len(argv) and not argv[i].startswith("--")
+        if not has_value and next_is_value and (not is_bool or argv[i].lower() in _BOOLS):
+            value, has_value = argv[i], True  # --name value (a bool takes the next word only if it is one)
+            i += 1
+        if not has_value and not is_bool:
             raise ConfigError(f"--{name.replace('_', '-')} needs a value")
-        flags[name] = _convert(name, value if has_value else "true", default)
-    preset = flags.get("preset", "")
-    if preset and preset not in presets:
-        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(presets)})")
-    return SimpleNamespace(**{**{k: d for k, (d, _) in hyperparameters.items()}, **presets.get(preset, {}), **flags})
+        flags[name] = value if name == "preset" else _convert(name, value if has_value else "true", hyperparameters[name][0])
+    preset = flags.pop("preset", "")
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    column = 1 if preset == "demo" else 0
+    return SimpleNamespace(preset=preset, **{**{k: v[column] for k, v in hyperparameters.items()}, **flags})
+
+
+_BOOLS = ("true", "false", "1", "0")
 
 
 def _convert(name, value, default):
     try:
         if isinstance(default, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
+            if value.lower() not in _BOOLS:
                 raise ValueError
             return value.lower() in ("true", "1")
         return type(default)(value)
     except ValueError:
         raise ConfigError(f"--{name.replace('_', '-')}={value!r}: expected {type(default).__name__}") from None
+
+
+def print_help(hyperparameters, doc):
+    print(doc.strip().split("\n")[0])
+    print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
+    print(f"  {'flag':<24} {'default':<28} {'--preset=demo':<14} meaning")
+    for name, (default, demo, help) in hyperparameters.items():
+        print(f"  --{name.replace('_', '-'):<22} {default!r:<28} {demo!r:<14} {help}")
 
 
 def check_config(cfg, world_size):

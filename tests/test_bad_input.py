@@ -73,9 +73,9 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
 
 
 def test_examples_per_step_must_divide_among_ranks():
-    cfg = chat_rl.parse_config(["--preset=demo", "--examples-per-step=3"])
+    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS)
     with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks"):
-        chat_rl.check_config(cfg, world_size=2)
+        flags.check_config(cfg, world_size=2)
 
 
 @pytest.mark.parametrize("argv,reason", [
@@ -102,7 +102,7 @@ def demo_args(model_dir, out_dir):
 
 
 def write_checkpoint(argv, model_dir):
-    cfg = chat_rl.parse_config(argv)
+    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS)
     model = GPT.from_pretrained(model_dir)
     opt = torch.optim.AdamW(model.parameters())
     checkpoint.save(cfg, 1, model, ByteTokenizer(), opt, rank=0, world=1)

@@ -4,18 +4,17 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import chat_rl
+from distributed import sync_gradients
 from gpt import GPT, GPTConfig
 from tokenizer import ByteTokenizer
 
-CFG = SimpleNamespace(num_samples=2, device_batch_size=3, loss_norm="token")
+NUM_SAMPLES, DEVICE_BATCH_SIZE = 2, 3
 CONFIG = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2)
 
@@ -25,13 +24,13 @@ def groups_for(rank, step):
     g = torch.Generator().manual_seed(100 * step + rank)
     n_groups = 2
     seqs, masks = [], []
-    for _ in range(n_groups * CFG.num_samples):
+    for _ in range(n_groups * NUM_SAMPLES):
         prompt_len = int(torch.randint(2, 5, (1,), generator=g))
         completion_len = int(torch.randint(1, 7, (1,), generator=g))
         seqs.append(torch.randint(0, 256, (prompt_len + completion_len,), generator=g).tolist())
         masks.append([0] * prompt_len + [1] * completion_len)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0]) if rank == 0 else torch.tensor([1.0, 0.0, 1.0, 1.0])
-    return seqs, masks, chat_rl.compute_advantages(rewards, CFG.num_samples)
+    return seqs, masks, chat_rl.compute_advantages(rewards, NUM_SAMPLES)
 
 
 def model_for_test():
@@ -48,8 +47,8 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
         if rank == dead_rank:
             adv = torch.zeros_like(adv)  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
-        chat_rl.policy_gradient_backward(model, seqs, masks, adv, CFG, "cpu", nullcontext())
-        chat_rl.sync_gradients(model)
+        chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+        sync_gradients(model)
         if step == 0:
             torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"grad{rank}.pt"))
         opt.step()
@@ -70,7 +69,7 @@ def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
     seqs = union[0][0] + union[1][0]
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, CFG, "cpu", nullcontext())
+    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name

@@ -20,15 +20,15 @@ TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s"}  # wall-clock, the only va
 # before the rename that makes it visible ("save").
 RUNNER = r"""
 import os, signal, sys
-import checkpoint, chat_rl
+import chat_rl, metrics
 where, at, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
 if where == "metrics":
-    write = checkpoint.MetricsLog.write
+    write = metrics.MetricsLog.write
     def hooked(self, row, samples=()):
         write(self, row, samples)
         if row["step"] == at and "split" not in row:
             os.kill(os.getpid(), sig)
-    checkpoint.MetricsLog.write = hooked
+    metrics.MetricsLog.write = hooked
 elif where == "save":
     replace = os.replace
     def hooked(src, dst):

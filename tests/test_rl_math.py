@@ -1,8 +1,6 @@
 """The RL math of chat_rl.py, pinned down on batches small enough to compute by hand."""
 
 import math
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,9 +23,8 @@ class LinearNLLModel(torch.nn.Module):
         return torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
 
 
-def cfg(**kw):
-    base = dict(num_samples=2, device_batch_size=8, loss_norm="token")
-    return SimpleNamespace(**{**base, **kw})
+def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="token"):
+    return chat_rl.policy_gradient_backward(model, SEQS, MASKS, advantages, num_samples, device_batch_size, loss_norm, "cpu")
 
 
 # two groups of two samples; sequences are prompt + completion, mask 1 on completion tokens
@@ -53,7 +50,7 @@ def test_loss_equals_hand_computed_value():
     #      = -(0.5 * -(1 + 2 + 3) + -0.5 * -(4 + 5)) / 5 = -(-3 + 4.5) / 5 = -0.3
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), num_samples=2)
-    loss, tokens = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(), "cpu", nullcontext())
+    loss, tokens = backward(model, adv)
     assert tokens == 5
     assert loss.item() == pytest.approx(-0.3)
     # d loss / d w = -(0.5 * -6 + -0.5 * -9) / 5 = -0.3 as well (loss is linear in w, w = 1)
@@ -64,7 +61,7 @@ def test_sequence_normalisation_averages_each_completion_first():
     # per-completion means: row 0: 0.5 * -(6)/3 = -1, row 1: -0.5 * -(9)/2 = 2.25; over 2 sequences
     model = LinearNLLModel()
     adv = torch.tensor([0.5, -0.5, 0.0, 0.0])
-    loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(loss_norm="sequence"), "cpu", nullcontext())
+    loss, _ = backward(model, adv, loss_norm="sequence")
     assert loss.item() == pytest.approx(-(-1 + 2.25) / 2)
 
 
@@ -73,7 +70,7 @@ def test_micro_batching_does_not_change_the_loss():
     losses = []
     for dbs in (1, 3, 8):
         model = LinearNLLModel()
-        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(device_batch_size=dbs), "cpu", nullcontext())
+        loss, _ = backward(model, adv, device_batch_size=dbs)
         losses.append((loss.item(), model.w.grad.item()))
     assert losses[0] == pytest.approx(losses[1]) and losses[0] == pytest.approx(losses[2])
 
@@ -81,14 +78,14 @@ def test_micro_batching_does_not_change_the_loss():
 def test_all_equal_reward_groups_cost_no_forward_pass():
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), num_samples=2)
-    loss, tokens = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(), "cpu", nullcontext())
+    loss, tokens = backward(model, adv)
     assert model.calls == 0 and tokens == 0 and loss.item() == 0.0 and model.w.grad is None
 
 
 def test_only_rows_of_groups_with_signal_are_forwarded():
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0]), num_samples=2)
-    chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(), "cpu", nullcontext())
+    backward(model, adv)
     assert (model.calls, model.rows) == (1, 2)
 
 
@@ -96,7 +93,7 @@ def test_remainder_rows_get_their_own_micro_batch():
     # 4 active rows with device_batch_size 3: batches of 3 and 1, no row dropped
     model = LinearNLLModel()
     adv = torch.tensor([0.5, -0.5, 0.5, -0.5])
-    chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, cfg(device_batch_size=3), "cpu", nullcontext())
+    backward(model, adv, device_batch_size=3)
     assert (model.calls, model.rows) == (2, 4)
 
 

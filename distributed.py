@@ -1,0 +1,78 @@
+"""
+The ranks of a run: process-group setup, the two collectives the training loop uses, and the stop
+flag every rank agrees on. With one process (no torchrun) every function here is a no-op or a
+plain local computation, so chat_rl.py reads the same for 1 CPU and 64 GPUs.
+"""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed(device_type):
+    """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU."""
+    if not device_type:
+        device_type = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(device_type)
+        # ranks sharing one CPU split its cores instead of fighting over them (unless the user said otherwise)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def all_reduce_sum(tensor):
+    """Sum a tensor over ranks, in place (and return it)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def sync_gradients(model):
+    """Sum gradients over ranks (the loss is already divided by the step's global normaliser, so a sum
+    is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros."""
+    if not dist.is_initialized():
+        return
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+class StopFlag:
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask for a stop at the next step boundary. All ranks
+    agree through one all-reduce, so every rank stops at the same step. Repeats are expected (torchrun
+    and Slurm forward signals a worker also gets directly) and ignored, except a Ctrl-C pressed again
+    after a few seconds: that one kills at once. Under torchrun, give the checkpoint time to be written
+    (torchrun's --shutdown-timeout, 30 s by default, after which it kills the workers)."""
+
+    def __init__(self):
+        self.flag, self.first = False, None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        now = time.monotonic()
+        if self.first is not None:
+            if signum == signal.SIGINT and now - self.first > 3:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            return
+        self.flag, self.first = True, now
+        # os.write, not print: print is not safe inside a signal handler (re-entrant stdout)
+        os.write(2, f"\nchat_rl: got {signal.Signals(signum).name}; stopping after this step with a checkpoint\n".encode())
+
+    def requested(self, device):
+        flag = torch.tensor(float(self.flag), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag > 0)

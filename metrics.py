@@ -1,0 +1,102 @@
+"""
+What a run reports: each step's metrics reduced over ranks by name, metrics.jsonl / samples.jsonl
+(rank 0, flushed as they go, rewound on resume), optional Weights & Biases, and the console line.
+"""
+
+import json
+import math
+import os
+
+import torch
+
+from distributed import all_reduce_sum
+
+# train-row means over every completion of every rank: metric name -> per-row list of rollout()
+MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",
+         "truncated": "truncated"}
+
+
+def step_metrics(step, out, t_rollout, device, world, **values):
+    """One train row: the rollout's means over all ranks (summed by name, then divided by the number
+    of completions), the rollout tokens/s of all ranks together, and the step's own values."""
+    local = {name: float(sum(out[key])) for name, key in MEANS.items()}
+    local.update(completions=len(out["total"]), rollout_s=t_rollout)
+    names = sorted(local)  # every rank packs the same names in the same order
+    sums = dict(zip(names, all_reduce_sum(torch.tensor([local[k] for k in names], device=device)).tolist()))
+    row = {"step": step, **{name: sums[name] / sums["completions"] for name in MEANS}, **values,
+           # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
+           "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world)}
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return {k: _json_number(v) for k, v in row.items()}
+
+
+def console_line(row, num_steps, last_pass1, eta_s):
+    return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
+            f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
+            f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
+
+
+def _json_number(v):
+    """Round floats for a readable log; non-finite values become null (NaN is not JSON)."""
+    if isinstance(v, torch.Tensor):
+        v = float(v)
+    if isinstance(v, float):
+        return round(v, 6) if math.isfinite(v) else None
+    return v
+
+
+class MetricsLog:
+    """metrics.jsonl and samples.jsonl, written by rank 0, one JSON object a line, flushed as it goes.
+    On resume from step s, rows of step >= s (written after that checkpoint) are dropped: they are redone."""
+
+    def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
+        self.enabled = rank == 0
+        self.files, self.wandb = {}, None
+        if not self.enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        for name in ("metrics", "samples"):
+            path = os.path.join(out_dir, f"{name}.jsonl")
+            if keep_below_step:  # rewrite under a temporary name: a kill now must not lose the history
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in _rows_below(path, keep_below_step))
+                os.replace(path + ".tmp", path)
+            self.files[name] = open(path, "a" if keep_below_step else "w")
+        if wandb_project:
+            import hashlib
+            import wandb  # optional dependency, only when asked for
+            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:12]  # a resumed run continues its W&B run
+            self.wandb = wandb.init(project=wandb_project, config=config, id=run_id, resume="allow")
+
+    def write(self, row, samples=()):
+        if not self.enabled:
+            return
+        self.files["metrics"].write(json.dumps(row) + "\n")
+        self.files["metrics"].flush()
+        for s in samples:
+            self.files["samples"].write(json.dumps({"step": row["step"], **s}) + "\n")
+        self.files["samples"].flush()
+        if self.wandb is not None:
+            prefix = "eval/" if row.get("split") == "eval" else "train/"
+            self.wandb.log({prefix + k: v for k, v in row.items() if k not in ("step", "split")}, step=row["step"])
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _rows_below(path, step):
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a killed run
+                if row["step"] < step:
+                    rows.append(row)
+    return rows
