@@ -32,6 +32,7 @@ Run it:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 -m chat_rl
 """
 
+import hashlib
 import math
 import os
 import sys
@@ -39,6 +40,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from tqdm import tqdm
 
 import checkpoint
 from distributed import StopFlag, all_reduce_sum, setup_distributed, sync_gradients
@@ -75,7 +77,8 @@ HYPERPARAMETERS = dict(
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
     num_steps=          (-1,                            300,           "optimizer steps; -1 = derived from num_epochs"),
-    device_batch_size=  (8,                             64,            "rows per forward/backward micro-batch"),
+    device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
+    device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
     lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate, decayed linearly to 0"),
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
@@ -92,19 +95,24 @@ HYPERPARAMETERS = dict(
 
 # ---- 2-3. rollouts and rewards -----------------------------------------------------------------------
 def rollout(engine, task, rows, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
-            rows_per_call=256):
+            rows_per_call=256, progress=""):
     """Sample num_samples completions per problem and score each. Returns a dict of per-completion
-    lists, prompt-major (the samples of rows[0], then of rows[1], ...)."""
+    lists, prompt-major (the samples of rows[0], then of rows[1], ...). Each engine call draws from
+    its own stream, derived from seed and its first problem's index. progress: a label to show a
+    progress bar under (on a terminal only), for the long evals."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, row)) for row in rows]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[])
+    bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
         seqs, masks = engine.generate_batch(prompts[start:start + per_call], num_samples, max_new_tokens,
-                                            temperature, top_k, seed=seed + start, include_stop=True)
+                                            temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
         out["sequences"] += seqs
         out["masks"] += masks
+        bar.update(len(seqs) // num_samples)
+    bar.close()
     for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
         completion_ids = [t for t, m in zip(seq, mask) if m]  # mask 1 = sampled by the policy
         text = tokenizer.decode(completion_ids)
@@ -146,8 +154,22 @@ def make_batch(sequences, masks, device):
     return inputs.to(device), targets.to(device)
 
 
+def micro_batches(lengths, max_rows, max_tokens):
+    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
+    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
+    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
+    batches, batch, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, n)
+    return batches + [batch] if batch else batches
+
+
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
-                             device, autocast=nullcontext()):
+                             device, autocast=nullcontext(), device_batch_tokens=math.inf):
     """
     Accumulate the REINFORCE gradient of this rank's rows into .grad; returns (loss, sampled tokens).
 
@@ -171,8 +193,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     loss_sum = torch.zeros((), device=device)
     if normaliser == 0:
         return loss_sum, 0
-    for start in range(0, len(keep), device_batch_size):
-        rows = keep[start:start + device_batch_size]
+    for batch in micro_batches([len(sequences[i]) - 1 for i in keep], device_batch_size, device_batch_tokens):
+        rows = [keep[j] for j in batch]
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         adv = advantages[rows].to(device)
         with autocast:
@@ -211,23 +233,29 @@ def pass_at_k(n, c, k):
 
 @torch.no_grad()
 def evaluate(engine, task, rows, k, max_new_tokens, rank, world, device, seed, rows_per_call=256):
-    """pass@1..pass@k at temperature 1.0 over the held-out rows, each rank taking every world-th row.
-    Returns (metrics, a few samples for samples.jsonl)."""
+    """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's
+    best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
+    right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
     mine = rows[rank::world]
-    sums = torch.zeros(k + 1, device=device)  # pass@1..k summed over problems, then the problem count
+    sums = torch.zeros(k + 2, device=device)  # pass@1..k and greedy summed over problems, then the problem count
     samples = []
     if mine:
+        label = "eval" if rank == 0 else ""
         out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, seed=seed,
-                      rows_per_call=rows_per_call)
+                      rows_per_call=rows_per_call, progress=label)
+        greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, seed=seed,
+                         rows_per_call=rows_per_call, progress=label and "eval greedy")
         for g in range(len(mine)):
             correct = int(sum(out["answer"][g * k:(g + 1) * k]))
             for j in range(1, k + 1):
                 sums[j - 1] += pass_at_k(k, correct, j)
-        sums[k] = len(mine)
+        sums[k] = sum(greedy["answer"])
+        sums[k + 1] = len(mine)
         samples = [dict(question=task.prompt(mine[g]), reference=task.reference(mine[g]),
                         completion=out["completions"][g * k], reward=out["total"][g * k]) for g in range(min(3, len(mine)))]
     sums = all_reduce_sum(sums)
-    return {f"pass@{j}": round(float(sums[j - 1] / sums[k]), 4) for j in range(1, k + 1)}, samples
+    metrics = {"greedy": round(float(sums[k] / sums[k + 1]), 4)}
+    return {**metrics, **{f"pass@{j}": round(float(sums[j - 1] / sums[k + 1]), 4) for j in range(1, k + 1)}}, samples
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -249,7 +277,8 @@ def train(cfg, rank, world, device):
     print0(f"chat_rl: task={cfg.task} model={cfg.model} ({model.num_params() / 1e6:.1f}M params) ranks={world} "
            f"device={device.type} steps={start_step}->{num_steps} out={cfg.out_dir}")
     stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
-    step, last_saved, last_pass1, nonfinite_in_row, t_start = start_step, start_step if state else -1, math.nan, 0, time.time()
+    last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
+    step, last_saved, nonfinite_in_row, t_start = start_step, start_step if state else -1, 0, time.time()
     for step in range(start_step, num_steps + 1):
         if stop.requested(device):
             break
@@ -257,7 +286,7 @@ def train(cfg, rank, world, device):
             model.eval()
             with autocast:
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
-                                            device, seed=cfg.seed + 7, rows_per_call=cfg.generate_batch_rows)
+                                            device, seed=derive_seed(cfg.seed, "eval", rank), rows_per_call=cfg.generate_batch_rows)
             last_pass1 = metrics["pass@1"]
             log.write({"step": step, "split": "eval", **metrics}, samples)
             print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
@@ -268,14 +297,15 @@ def train(cfg, rank, world, device):
         model.eval()
         with autocast:                                                                                  # 2-3.
             out = rollout(engine, task, rows, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                          seed=(cfg.seed * 100_003 + step) * 1009 + rank * 101, format_weight=cfg.format_weight,
+                          seed=derive_seed(cfg.seed, "rollout", step, rank), format_weight=cfg.format_weight,
                           rows_per_call=cfg.generate_batch_rows)
         t_rollout = time.time() - t0
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
         optimizer.zero_grad(set_to_none=True)
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
-                                                      cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device, autocast)
+                                                      cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
+                                                      autocast, cfg.device_batch_tokens)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach().clone()))
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
@@ -302,10 +332,19 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
     """Step s takes the s-th slice of a permutation of the training problems fixed per epoch, and
     rank r the r-th part of that slice: the step alone fixes the data, so a resumed run continues it."""
     epoch, offset = divmod(step, len(train_rows) // examples_per_step)
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch)))
     per_rank = examples_per_step // world
     first = offset * examples_per_step + rank * per_rank
     return [train_rows[i] for i in order[first:first + per_rank].tolist()]
+
+
+def derive_seed(*parts):
+    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g.
+    (run seed, "rollout", step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated
+    streams; bare arithmetic would not (seed * 1000 + epoch is the same for seed 0, epoch 1000 and
+    seed 1, epoch 0). Evals reuse one stream per rank at every step (common random numbers), so
+    pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):

@@ -62,6 +62,7 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(cfg.out_dir)  # the rename itself survives a power cut
+        print(f"checkpoint: wrote {final}")
         for old in _ckpt_dirs(cfg.out_dir)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(cfg.out_dir, old), ignore_errors=True)
     if dist.is_initialized():

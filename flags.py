@@ -85,7 +85,7 @@ def print_help(hyperparameters, doc):
 
 def check_config(cfg, world_size):
     """Impossible or nonsensical settings, each refused with its reason."""
-    for name in ("examples_per_step", "num_samples", "max_new_tokens", "device_batch_size", "eval_examples",
+    for name in ("examples_per_step", "num_samples", "max_new_tokens", "device_batch_size", "device_batch_tokens", "eval_examples",
                  "eval_samples", "generate_batch_rows", "num_epochs", "keep_checkpoints", "max_nonfinite"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")

@@ -52,16 +52,18 @@ class MetricsLog:
 
     def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
         self.enabled = rank == 0
-        self.files, self.wandb = {}, None
+        self.files, self.wandb, self.last_eval = {}, None, {}
         if not self.enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
         for name in ("metrics", "samples"):
             path = os.path.join(out_dir, f"{name}.jsonl")
             if keep_below_step:  # rewrite under a temporary name: a kill now must not lose the history
+                kept = _rows_below(path, keep_below_step)
                 with open(path + ".tmp", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in _rows_below(path, keep_below_step))
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
                 os.replace(path + ".tmp", path)
+                self.last_eval = next((r for r in reversed(kept) if r.get("split") == "eval"), {})
             self.files[name] = open(path, "a" if keep_below_step else "w")
         if wandb_project:
             import hashlib

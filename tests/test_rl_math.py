@@ -122,3 +122,34 @@ def test_gpt_per_token_nll_ignores_minus_one_targets():
                                             (4, 2, 2, 1 - 1 / 6), (4, 1, 4, 1.0), (10, 3, 5, 1 - math.comb(7, 5) / math.comb(10, 5))])
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     assert chat_rl.pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("lengths,max_rows,max_tokens,expected", [
+    ([3, 3, 4, 4, 5], 8, 1000, [[0, 1, 2, 3, 4]]),        # one batch when both budgets allow
+    ([3, 3, 4, 4, 5], 2, 1000, [[0, 1], [2, 3], [4]]),    # the row budget
+    ([3, 3, 4, 4, 5], 8, 12, [[0, 1, 2], [3, 4]]),        # the token budget: 3 rows x 4 = 12, 3 x 5 > 12
+    ([2, 50, 3], 8, 10, [[0], [1], [2]]),                 # a row past the budget still gets its own batch
+])
+def test_micro_batches_respect_rows_and_padded_tokens(lengths, max_rows, max_tokens, expected):
+    assert chat_rl.micro_batches(lengths, max_rows, max_tokens) == expected
+
+
+def test_token_budget_does_not_change_the_loss_or_gradient():
+    adv = torch.tensor([0.5, -0.5, 0.25, -0.25])
+    results = []
+    for budget in (math.inf, 3):  # 3 tokens: every row alone (targets of 2, 2, 3 and 4 positions)
+        model = LinearNLLModel()
+        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "token", "cpu", device_batch_tokens=budget)
+        results.append((loss.item(), model.w.grad.item(), model.calls))
+    assert results[0][:2] == pytest.approx(results[1][:2]) and (results[0][2], results[1][2]) == (1, 4)
+
+
+def test_derived_seeds_differ_for_every_tuple_the_old_arithmetic_mixed_up():
+    # (seed * 100_003 + step) * 1009 + rank * 101 gave rank 10 at step s the seed of rank 0 at step s + 1
+    # plus a prompt offset of 1009 - 1010 = -1; seed * 1000 + epoch mixed seed 0, epoch 1000 with seed 1, epoch 0
+    d = chat_rl.derive_seed
+    assert d(0, "rollout", 5, 10) != d(0, "rollout", 6, 0)
+    assert d(0, "data", 1000) != d(1, "data", 0)
+    seeds = {d(seed, "rollout", step, rank) for seed in range(3) for step in range(300) for rank in range(16)}
+    assert len(seeds) == 3 * 300 * 16 and all(0 <= s < 2**63 for s in seeds)
+    assert d(0, "eval", 0) == d(0, "eval", 0)  # a resumed run derives the same seeds
