@@ -1,4 +1,8 @@
-r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under our own policy."""
+r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under our own policy.
+
+The rules are tasks/mathtask.py; the sympy worker they end in (its limits, its refusal to eval
+model text, killing a stuck one) is tasks/math_sandbox.py, so the worker tests patch that module.
+"""
 
 import builtins
 import sys
@@ -9,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tasks import mathtask
+from tasks import math_sandbox, mathtask
 
 
 def boxed(answer):
@@ -261,7 +265,7 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
 def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
     import sympy
     import sympy.parsing.sympy_parser as sympy_parser
-    monkeypatch.setattr(mathtask, "USE_WORKER", False)  # run sympy in this process, under watch
+    monkeypatch.setattr(math_sandbox, "USE_WORKER", False)  # run sympy in this process, under watch
     pwned = tmp_path / "pwned"
     payloads = [f"__import__('os').system('touch {pwned}')", f"eval(\"open('{pwned}','w')\")",
                 f"\\text{{__import__('os').system('touch {pwned}')}}", "x.__class__.__mro__",
@@ -319,10 +323,10 @@ def test_grades_from_other_threads():
 
 def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
     assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")  # a worker is up
-    old = mathtask._worker["proc"]
+    old = math_sandbox._worker["proc"]
     with monkeypatch.context() as m:  # every answer is late, and the worker looks busy in C code
-        m.setattr(mathtask, "DEADLINE_S", 0.0)
-        m.setattr(mathtask, "_cpu_seconds", lambda pid: time.monotonic() * 100)
+        m.setattr(math_sandbox, "DEADLINE_S", 0.0)
+        m.setattr(math_sandbox, "_cpu_seconds", lambda pid: time.monotonic() * 100)
         mathtask._equivalent.cache_clear()
         assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
     assert old.poll() is not None                        # the stuck worker was killed
@@ -332,12 +336,12 @@ def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
 
 def test_a_starved_worker_is_waited_for(monkeypatch):
     assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")
-    old = mathtask._worker["proc"]
-    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.0)     # late at once, but it has used no CPU yet
-    monkeypatch.setattr(mathtask, "_cpu_seconds", lambda pid: 0.0)
+    old = math_sandbox._worker["proc"]
+    monkeypatch.setattr(math_sandbox, "DEADLINE_S", 0.0)  # late at once, but it has used no CPU yet
+    monkeypatch.setattr(math_sandbox, "_cpu_seconds", lambda pid: 0.0)
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True
-    assert mathtask._worker["proc"] is old and old.poll() is None
+    assert math_sandbox._worker["proc"] is old and old.poll() is None
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------
