@@ -17,7 +17,9 @@ The verifier, grade(completion, reference), in three layers:
 1. Extraction (ours). The answer is the LAST \boxed{...} or \fbox{...}, brace-matched
    (\boxed{\frac{22}{7}} -> \frac{22}{7}; \boxed {5} -> 5). A missing, empty, unterminated or
    nested last box is no answer (score 0): we never fall back to an earlier box, so
-   "\boxed{1} ... \boxed{2}" commits to 2 and box-spamming buys nothing.
+   "\boxed{1} ... \boxed{2}" commits to 2 and box-spamming buys nothing. Braces around the
+   whole answer only group, at any depth: \boxed{{{5}}} -> 5, and so is 5 inside 100k nested
+   pairs (found in linear time); \boxed{{1}{2}} -> {1}{2}, whose braces are not redundant.
 2. Normalisation and policy (ours, string code only). Unicode (π, √, −, °, ², full-width digits),
    \dfrac -> \frac, \frac12 -> \frac{1}{2}, \sqrt2 -> \sqrt{2}, $ and \left/\right and spacing
    dropped, \text{} units dropped (5\text{ cm} = 5), degrees are a unit (30° = 30^\circ = 30) and
@@ -88,7 +90,7 @@ def solution(row):
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Extraction: one linear pass, whatever the input (a megabyte of garbage, 100k nested braces).
+# 1. Extraction: linear passes, whatever the input (a megabyte of garbage, 100k nested braces).
 BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
 
 
@@ -127,11 +129,42 @@ def _last_box(text):
         last, pos = (text[start + 1:end - 1], end), end
 
 
+_BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.S)  # \{ \} \\ are characters, as in _box_end
+
+
+def _strip_wrapping_braces(s):
+    r"""s without the brace pairs that wrap all of it: {{{5}}} -> 5, { {5} } -> 5.
+    Only a pair around the whole is grouping and nothing else: {1}{2}, {1}^2 and \frac{1}{2} stay.
+    Linear at any depth (peeling one pair and calling _box_end again would be quadratic): the
+    brace at the front that opens depth d+1 closes where the depth first falls back to d, so one
+    pass records those places, then the pairs that end at the very end are peeled."""
+    if not s.startswith("{"):
+        return s
+    depth, low, closes = 0, len(s), {}  # closes[d]: where the depth first falls back to d
+    for token in _BRACE_OR_ESCAPE.finditer(s):
+        if token.group() == "{":
+            depth += 1
+        elif token.group() == "}":
+            depth -= 1
+            if depth < low:
+                low, closes[depth] = depth, token.start()
+                if depth == 0 and token.start() < len(s) - 1:
+                    return s  # the first brace closes before the end: nothing wraps the whole
+    lo, hi, d = 0, len(s) - 1, 0
+    while lo < hi and s[lo] == "{" and closes.get(d) == hi:
+        lo, hi, d = lo + 1, hi - 1, d + 1
+        while lo <= hi and s[lo].isspace():
+            lo += 1
+        while hi >= lo and s[hi].isspace():
+            hi -= 1
+    return s[lo:hi + 1]  # "" for {} or {{ }}: an empty box
+
+
 def extract_answer(text):
     box = _last_box(text or "")
     if box is None or box[0] is None:
         return None
-    content = box[0].strip()
+    content = _strip_wrapping_braces(box[0].strip())  # \boxed{{5}} commits to 5, at any depth
     if not content or BOX_RE.search(content):  # empty, or a box in a box
         return None
     return content
@@ -232,7 +265,7 @@ def grade(completion, reference):
     """1/0 verdict on the last box of completion against reference; pure, bounded, never raises."""
     try:
         pred = extract_answer(completion)
-        ref = str(reference).strip() if reference is not None else ""
+        ref = _strip_wrapping_braces(str(reference).strip()) if reference is not None else ""
         if "\\boxed" in ref or "\\fbox" in ref:  # a whole solution passed as the reference
             ref = extract_answer(ref) or ""
         if pred is None or not ref or len(pred) > 10 * MAX_ANSWER_CHARS:

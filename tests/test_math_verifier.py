@@ -27,6 +27,15 @@ EXTRACT_CASES = [
     ("\\boxed\n{5}", "5"),
     (r"\fbox{5}", "5"),
     (r"\boxed{ 7 }", "7"),
+    (r"\boxed{{5}}", "5"),                       # braces around the whole answer only group
+    (r"\boxed{{{5}}}", "5"),
+    (r"\boxed{ { {5} } }", "5"),
+    (r"\boxed{{\frac{1}{2}}}", r"\frac{1}{2}"),
+    (r"\boxed{{\{5\}}}", r"\{5\}"),              # the grouping goes, the set's braces stay
+    (r"\boxed{{1}{2}}", "{1}{2}"),               # two groups, not one around 12: kept
+    (r"\boxed{{1}^2}", "{1}^2"),
+    (r"\boxed{{}}", None),                       # nothing but grouping: an empty box
+    (r"\boxed{{\boxed{5}}}", None),
     (r"$\boxed{x^{2}}$.", "x^{2}"),
     (r"\boxed{\{1,2\}}", r"\{1,2\}"),            # escaped braces do not close the box
     (r"\boxed{a}b}", "a"),
@@ -96,6 +105,14 @@ EQUIV_CASES = [
     (r"10,\!000", "10000", True),
     ("1{,}000", "1000", True),
     (r"\displaystyle 5", "5", True),
+    # redundant grouping braces
+    ("{5}", "5", True),
+    ("{{{5}}}", "5", True),
+    ("{ {-3} }", "-3", True),
+    (r"{\frac{1}{2}}", "0.5", True),
+    ("5", "{{5}}", True),                        # in the reference too
+    ("{{{5}}}", "6", False),
+    ("{1}{2}", "12", False),                     # two groups, not a wrapped 12
     # brackets, intervals, tuples, sets
     (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})", True),
     ("[-2,7]", "[-2, 7]", True),
@@ -213,6 +230,24 @@ GRADE_CASES = [
 @pytest.mark.parametrize("completion,reference,verdict", GRADE_CASES)
 def test_grade_binds_the_last_box(completion, reference, verdict):
     assert mathtask.grade(completion, reference) is verdict
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 1000, 100_000])
+def test_redundant_braces_at_any_depth(depth):
+    wrapped = boxed("{" * depth + "5" + "}" * depth)  # 100k: the adversarial case, still linear
+    assert mathtask.extract_answer(wrapped) == "5"
+    assert mathtask.grade(wrapped, "5") is True and mathtask.grade(wrapped, "6") is False
+    assert mathtask.extract_answer(boxed("{" * depth + "1}{2" + "}" * depth)) == "{1}{2}"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(["{", "}", " ", "5", "\\{", "\\}", "\\\\"]), max_size=14).map("".join))
+def test_stripping_braces_in_one_pass_matches_peeling_them_one_at_a_time(text):
+    text = text.strip()
+    peeled = text  # the definition, quadratic: while the first brace closes at the very end, drop it
+    while peeled.startswith("{") and mathtask._box_end(peeled, 0) == len(peeled):
+        peeled = peeled[1:-1].strip()
+    assert mathtask._strip_wrapping_braces(text) == peeled
 
 
 FORMAT_CASES = [
