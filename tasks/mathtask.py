@@ -7,11 +7,19 @@ Test:  HuggingFaceH4/MATH-500, split "test" (500 problems). MATH-500 was drawn f
 Rows keep their data set's schema: train {problem, level, type, solution}, test {problem,
 solution, answer, subject, level, unique_id}.
 
+This module holds the grading rules: what counts as the answer and when two answers are the same.
+The sympy comparison they end in lives in tasks/math_sandbox.py, because running sympy on model
+text safely (a worker process, CPU and memory limits, no eval) is a different concern from the
+rules, and the rules are what a fork edits. Everything here is plain string code, cheap and
+bounded; the training process never imports sympy.
+
 The verifier, grade(completion, reference), in three layers:
 1. Extraction (ours). The answer is the LAST \boxed{...} or \fbox{...}, brace-matched
    (\boxed{\frac{22}{7}} -> \frac{22}{7}; \boxed {5} -> 5). A missing, empty, unterminated or
    nested last box is no answer (score 0): we never fall back to an earlier box, so
-   "\boxed{1} ... \boxed{2}" commits to 2 and box-spamming buys nothing.
+   "\boxed{1} ... \boxed{2}" commits to 2 and box-spamming buys nothing. Braces around the
+   whole answer only group, at any depth: \boxed{{{5}}} -> 5, and so is 5 inside 100k nested
+   pairs (found in linear time); \boxed{{1}{2}} -> {1}{2}, whose braces are not redundant.
 2. Normalisation and policy (ours, string code only). Unicode (π, √, −, °, ², full-width digits),
    \dfrac -> \frac, \frac12 -> \frac{1}{2}, \sqrt2 -> \sqrt{2}, $ and \left/\right and spacing
    dropped, \text{} units dropped (5\text{ cm} = 5), degrees are a unit (30° = 30^\circ = 30) and
@@ -20,29 +28,23 @@ The verifier, grade(completion, reference), in three layers:
    "17, 18", "\pm 3" all lose against 17 (resp. 3). Plain numbers compare as exact rationals
    (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7; 0.333 != 1/3: MATH wants exact answers
    and says so when it wants a decimal). Base-n numerals (2220_4) must match as written.
-3. Equivalence (Math-Verify, the field's standard): latex2sympy parses the normalised LaTeX,
-   math_verify.verify compares (algebra (x+1)(x-2) = x^2-x-2, \sqrt8 = 2\sqrt2, sets in any
-   order, tuples in order, intervals with their brackets, matrices, equations x=5 vs 5).
+3. Equivalence (Math-Verify, the field's standard), in math_sandbox.equal: algebra
+   (x+1)(x-2) = x^2-x-2, \sqrt8 = 2\sqrt2, sets in any order, tuples in order, intervals with
+   their brackets, matrices, equations x=5 vs 5. Only answers that layers 1-2 could not settle and
+   that are at most MAX_ANSWER_CHARS long get there.
 
-Math-Verify gaps we work around, and how:
+Math-Verify gaps we work around here (math_sandbox's docstring lists the ones it closes):
 - its extraction misses "\boxed {5}" and falls back to earlier boxes -> our extraction (1).
 - no "°", and floats are compared after rounding to 6 decimals, so 0.5000001 == 1/2 -> we
-  normalise (2), and decimals are parsed as exact rationals (no Float ever reaches verify).
-- parse() runs sympy's parse_expr (Python eval) on plain-text answers, and latex2sympy turns each
-  number token into sympy through sympify (eval again) -> we never call parse(), and we replace
-  latex2sympy's number hook with an exact, eval-free one. Model text is never executed.
-- its timeouts use signal.alarm, which fails outside the main thread -> we disable them and run
-  sympy in a worker process instead, with a CPU budget inside it (SIGPROF: past it, "not equal"),
-  an address-space limit, a refusal to evaluate anything whose exact value would need more than
-  MAX_DIGITS digits (10^{10^{10}}, 1000000!), and, outside it, a deadline: a worker still silent
-  after DEADLINE_S that has burnt its budget is stuck in C code and is killed and replaced.
-  So grade() is bounded in time and memory from any thread, and the training process itself
-  never imports sympy.
+  normalise (2) and compare plain numbers as exact rationals; math_sandbox parses every other
+  number token exactly too, so no Float ever reaches verify.
 """
 
-import atexit, json, math, os, re, select, subprocess, sys, threading, time, unicodedata
+import re, unicodedata
 from fractions import Fraction
 from functools import lru_cache
+
+from tasks import math_sandbox
 
 TRAIN_DATASET, TRAIN_CONFIGS = "EleutherAI/hendrycks_math", (
     "algebra", "counting_and_probability", "geometry", "intermediate_algebra",
@@ -88,7 +90,7 @@ def solution(row):
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Extraction: one linear pass, whatever the input (a megabyte of garbage, 100k nested braces).
+# 1. Extraction: linear passes, whatever the input (a megabyte of garbage, 100k nested braces).
 BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
 
 
@@ -127,11 +129,42 @@ def _last_box(text):
         last, pos = (text[start + 1:end - 1], end), end
 
 
+_BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.S)  # \{ \} \\ are characters, as in _box_end
+
+
+def _strip_wrapping_braces(s):
+    r"""s without the brace pairs that wrap all of it: {{{5}}} -> 5, { {5} } -> 5.
+    Only a pair around the whole is grouping and nothing else: {1}{2}, {1}^2 and \frac{1}{2} stay.
+    Linear at any depth (peeling one pair and calling _box_end again would be quadratic): the
+    brace at the front that opens depth d+1 closes where the depth first falls back to d, so one
+    pass records those places, then the pairs that end at the very end are peeled."""
+    if not s.startswith("{"):
+        return s
+    depth, low, closes = 0, len(s), {}  # closes[d]: where the depth first falls back to d
+    for token in _BRACE_OR_ESCAPE.finditer(s):
+        if token.group() == "{":
+            depth += 1
+        elif token.group() == "}":
+            depth -= 1
+            if depth < low:
+                low, closes[depth] = depth, token.start()
+                if depth == 0 and token.start() < len(s) - 1:
+                    return s  # the first brace closes before the end: nothing wraps the whole
+    lo, hi, d = 0, len(s) - 1, 0
+    while lo < hi and s[lo] == "{" and closes.get(d) == hi:
+        lo, hi, d = lo + 1, hi - 1, d + 1
+        while lo <= hi and s[lo].isspace():
+            lo += 1
+        while hi >= lo and s[hi].isspace():
+            hi -= 1
+    return s[lo:hi + 1]  # "" for {} or {{ }}: an empty box
+
+
 def extract_answer(text):
     box = _last_box(text or "")
     if box is None or box[0] is None:
         return None
-    content = box[0].strip()
+    content = _strip_wrapping_braces(box[0].strip())  # \boxed{{5}} commits to 5, at any depth
     if not content or BOX_RE.search(content):  # empty, or a box in a box
         return None
     return content
@@ -149,7 +182,6 @@ def format_ok(completion):
 # ---------------------------------------------------------------------------------------------
 # 2. Normalisation and policy: plain string code, linear regexes, capped sizes.
 MAX_ANSWER_CHARS = 400  # longer answers are compared as strings only (MATH answers are short)
-MAX_DIGITS = 10_000     # refuse to evaluate anything whose exact value has more digits than this
 
 UNICODE = {"π": r"\pi ", "√": r"\sqrt", "−": "-", "–": "-", "×": r"\times ", "·": r"\cdot ",
            "⋅": r"\cdot ", "÷": r"\div ", "∞": r"\infty ", "≤": r"\le ", "≥": r"\ge ", "≠": r"\ne ",
@@ -226,14 +258,14 @@ def _equivalent(pred, ref):
         return qp == qr
     if len(p) > MAX_ANSWER_CHARS or len(r) > MAX_ANSWER_CHARS:
         return False
-    return _ask_worker(p, r) if USE_WORKER else sympy_equal(p, r)
+    return math_sandbox.equal(p, r)  # layer 3, in its worker process
 
 
 def grade(completion, reference):
     """1/0 verdict on the last box of completion against reference; pure, bounded, never raises."""
     try:
         pred = extract_answer(completion)
-        ref = str(reference).strip() if reference is not None else ""
+        ref = _strip_wrapping_braces(str(reference).strip()) if reference is not None else ""
         if "\\boxed" in ref or "\\fbox" in ref:  # a whole solution passed as the reference
             ref = extract_answer(ref) or ""
         if pred is None or not ref or len(pred) > 10 * MAX_ANSWER_CHARS:
@@ -241,182 +273,3 @@ def grade(completion, reference):
         return _equivalent(pred, ref)
     except Exception:
         return False
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Equivalence through latex2sympy + math_verify, inside the worker (or inline in tests).
-_NUMBER_TOKEN = re.compile(r"([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]{1,3}))?")
-
-
-def _exact_number(text):
-    """A number token as an exact sympy Rational, with no sympify (eval) and no floats."""
-    import sympy
-    m = _NUMBER_TOKEN.fullmatch(text.replace(",", "").strip())
-    if not m or not (m.group(1) or m.group(2)) or len(text) > 100:
-        raise ValueError("not a number token")
-    frac = m.group(2) or ""
-    q = Fraction(int((m.group(1) or "0") + frac), 10 ** len(frac)) * Fraction(10) ** int(m.group(3) or 0)
-    return sympy.Rational(q.numerator, q.denominator)
-
-
-@lru_cache(maxsize=1)
-def _sympy_tools():
-    import logging
-    from latex2sympy2_extended import latex2sympy2 as l2s
-    from latex2sympy2_extended.math_normalization import NormalizationConfig, normalize_latex
-    from math_verify.grader import should_treat_as_complex, verify
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we disabled its timeouts
-    l2s._Latex2Sympy.parse_number = lambda self, text: _exact_number(text)
-    l2s.convert_number = _exact_number
-    config = NormalizationConfig(basic_latex=True, units=True, malformed_operators=True, nits=True,
-                                 boxed="none", equations=False)
-
-    def parse(s):
-        s = normalize_latex(s, config)
-        return l2s.latex2sympy(s, is_real=not should_treat_as_complex(s), convert_degrees=False,
-                               normalization_config=None)
-    return parse, verify
-
-
-def _digits(e, budget):
-    """Upper bound on log10 of any number sympy could compute from e; inf means refuse."""
-    import sympy
-    budget[0] -= 1
-    if budget[0] < 0:
-        return math.inf
-    if isinstance(e, sympy.Rational):
-        return math.log10(max(abs(e.p), e.q) + 1)
-    if isinstance(e, (sympy.Sum, sympy.Product, sympy.Integral, sympy.Limit, sympy.Derivative)):
-        return math.inf  # an answer is a value, not a problem to evaluate
-    args = list(e) if isinstance(e, sympy.MatrixBase) else getattr(e, "args", ())
-    if isinstance(e, (sympy.Pow, sympy.factorial, sympy.binomial)):
-        power = isinstance(e, sympy.Pow)
-        top = _digits(args[1] if power else args[0], budget)  # the exponent, or n in n! and C(n, k)
-        if top > 6:
-            return math.inf
-        base = _digits(args[0], budget) if power else top
-        return 10 ** top * max(base, 1)  # |b^n| <= |b|^|n|, n! <= n^n, C(n, k) <= 2^n
-    return 1 + sum(_digits(a, budget) for a in args)
-
-
-def sympy_equal(p, r):
-    """Math-Verify's verdict on two normalised answers; False on any error or oversized value."""
-    try:
-        parse, verify = _sympy_tools()
-        gold, pred = parse(r), parse(p)
-        if max(_digits(gold, [2000]), _digits(pred, [2000])) > MAX_DIGITS:
-            return False
-        return bool(verify(gold, pred, numeric_precision=50, timeout_seconds=None, strict=True))
-    except Exception:
-        return False
-
-
-# The worker: a child python that answers one JSON line [pred, ref] with "1" or "0".
-USE_WORKER = True     # tests switch it off to run sympy in-process
-CPU_BUDGET_S = 0.4    # inside the worker: CPU seconds one comparison may use, then it is "not equal"
-DEADLINE_S = 0.9      # outside: a worker this late that has burnt its budget is stuck in C code
-STARVED_S = 10.0      # a worker merely starved of CPU by other work gets this long before we give up
-MEMORY_BYTES = 2 << 30
-_worker = {"proc": None, "pid": None, "ready": False, "broken": False}
-_lock = threading.Lock()
-
-
-class _OverBudget(BaseException):  # BaseException: sympy's "except Exception" must not swallow it
-    pass
-
-
-def _serve():
-    import resource, signal
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)  # lower the soft limit only, never raise it
-    soft = MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    armed = [False]
-
-    def over_budget(*_):
-        if armed[0]:
-            raise _OverBudget()
-    signal.signal(signal.SIGPROF, over_budget)  # CPU time, not wall time: verdicts do not depend on load
-    sympy_equal(r"\frac{x^2-1}{x+1}", "x-1")  # pay imports and caches before the first budget
-    os.write(1, b"ready\n")
-    for line in sys.stdin.buffer:
-        ok = False
-        try:
-            armed[0] = True
-            signal.setitimer(signal.ITIMER_PROF, CPU_BUDGET_S)
-            ok = sympy_equal(*json.loads(line))
-            armed[0] = False
-        except BaseException:
-            armed[0] = ok = False
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        os.write(1, b"1\n" if ok else b"0\n")
-
-
-def _read_line(fd, deadline):
-    """One line from the worker, None if it is not there by deadline; OSError if the worker died."""
-    buf = b""
-    while not buf.endswith(b"\n"):
-        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            return None
-        chunk = os.read(fd, 64)
-        if not chunk:
-            raise OSError("the sympy worker exited")
-        buf += chunk
-    return buf.strip()
-
-
-def _cpu_seconds(pid):
-    """CPU seconds a process has used (Linux /proc), None where that cannot be read."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _kill_worker():
-    proc, _worker["proc"] = _worker["proc"], None
-    if proc is not None and _worker["pid"] == os.getpid():  # never kill a parent process's worker
-        proc.kill()
-        proc.wait()
-
-
-def _start_worker():
-    boot = ("import importlib.util as u, sys; s = u.spec_from_file_location('_mathtask_worker', sys.argv[1]); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()")
-    _worker.update(proc=subprocess.Popen([sys.executable, "-c", boot, os.path.abspath(__file__)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, bufsize=0),
-                   pid=os.getpid(), ready=False)
-
-
-def _ask_worker(p, r):
-    with _lock:
-        try:
-            if _worker["pid"] != os.getpid():  # first call, or we are a forked child
-                _worker["proc"] = None
-                _start_worker()
-            proc = _worker["proc"]
-            fd = proc.stdout.fileno()
-            if not _worker["ready"]:  # start-up (imports) has its own, generous deadline
-                _worker["ready"] = _read_line(fd, time.monotonic() + 60) == b"ready"
-                if not _worker["ready"]:
-                    raise OSError("the sympy worker did not start")
-            proc.stdin.write(json.dumps([p, r]).encode() + b"\n")
-            cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
-            while True:
-                answer = _read_line(fd, time.monotonic() + DEADLINE_S)
-                if answer is not None:
-                    return answer == b"1"
-                cpu = _cpu_seconds(proc.pid)  # late: stuck in C code, or only starved of CPU?
-                if cpu is None or cpu0 is None or cpu - cpu0 > CPU_BUDGET_S + 0.1 or time.monotonic() - t0 > STARVED_S:
-                    break
-        except (OSError, ValueError) as e:
-            if not _worker["broken"]:
-                print(f"mathtask: sympy worker failed ({e}); such answers score 0", file=sys.stderr)
-                _worker["broken"] = True
-        _kill_worker()  # stuck or dead: start a fresh one now so it is ready for the next call
-        _start_worker()
-        return False
-
-
-atexit.register(lambda: _worker["proc"] is not None and _kill_worker())

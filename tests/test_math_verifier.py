@@ -1,4 +1,8 @@
-r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under our own policy."""
+r"""The MATH verifier: the last \boxed{} binds; Math-Verify equivalence under our own policy.
+
+The rules are tasks/mathtask.py; the sympy worker they end in (its limits, its refusal to eval
+model text, killing a stuck one) is tasks/math_sandbox.py, so the worker tests patch that module.
+"""
 
 import builtins
 import sys
@@ -9,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tasks import mathtask
+from tasks import math_sandbox, mathtask
 
 
 def boxed(answer):
@@ -23,6 +27,15 @@ EXTRACT_CASES = [
     ("\\boxed\n{5}", "5"),
     (r"\fbox{5}", "5"),
     (r"\boxed{ 7 }", "7"),
+    (r"\boxed{{5}}", "5"),                       # braces around the whole answer only group
+    (r"\boxed{{{5}}}", "5"),
+    (r"\boxed{ { {5} } }", "5"),
+    (r"\boxed{{\frac{1}{2}}}", r"\frac{1}{2}"),
+    (r"\boxed{{\{5\}}}", r"\{5\}"),              # the grouping goes, the set's braces stay
+    (r"\boxed{{1}{2}}", "{1}{2}"),               # two groups, not one around 12: kept
+    (r"\boxed{{1}^2}", "{1}^2"),
+    (r"\boxed{{}}", None),                       # nothing but grouping: an empty box
+    (r"\boxed{{\boxed{5}}}", None),
     (r"$\boxed{x^{2}}$.", "x^{2}"),
     (r"\boxed{\{1,2\}}", r"\{1,2\}"),            # escaped braces do not close the box
     (r"\boxed{a}b}", "a"),
@@ -92,6 +105,14 @@ EQUIV_CASES = [
     (r"10,\!000", "10000", True),
     ("1{,}000", "1000", True),
     (r"\displaystyle 5", "5", True),
+    # redundant grouping braces
+    ("{5}", "5", True),
+    ("{{{5}}}", "5", True),
+    ("{ {-3} }", "-3", True),
+    (r"{\frac{1}{2}}", "0.5", True),
+    ("5", "{{5}}", True),                        # in the reference too
+    ("{{{5}}}", "6", False),
+    ("{1}{2}", "12", False),                     # two groups, not a wrapped 12
     # brackets, intervals, tuples, sets
     (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})", True),
     ("[-2,7]", "[-2, 7]", True),
@@ -211,6 +232,24 @@ def test_grade_binds_the_last_box(completion, reference, verdict):
     assert mathtask.grade(completion, reference) is verdict
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3, 1000, 100_000])
+def test_redundant_braces_at_any_depth(depth):
+    wrapped = boxed("{" * depth + "5" + "}" * depth)  # 100k: the adversarial case, still linear
+    assert mathtask.extract_answer(wrapped) == "5"
+    assert mathtask.grade(wrapped, "5") is True and mathtask.grade(wrapped, "6") is False
+    assert mathtask.extract_answer(boxed("{" * depth + "1}{2" + "}" * depth)) == "{1}{2}"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(["{", "}", " ", "5", "\\{", "\\}", "\\\\"]), max_size=14).map("".join))
+def test_stripping_braces_in_one_pass_matches_peeling_them_one_at_a_time(text):
+    text = text.strip()
+    peeled = text  # the definition, quadratic: while the first brace closes at the very end, drop it
+    while peeled.startswith("{") and mathtask._box_end(peeled, 0) == len(peeled):
+        peeled = peeled[1:-1].strip()
+    assert mathtask._strip_wrapping_braces(text) == peeled
+
+
 FORMAT_CASES = [
     (r"... so the answer is $\boxed{5}$.", True),
     (r"\boxed{5}", True),
@@ -261,7 +300,7 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
 def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
     import sympy
     import sympy.parsing.sympy_parser as sympy_parser
-    monkeypatch.setattr(mathtask, "USE_WORKER", False)  # run sympy in this process, under watch
+    monkeypatch.setattr(math_sandbox, "USE_WORKER", False)  # run sympy in this process, under watch
     pwned = tmp_path / "pwned"
     payloads = [f"__import__('os').system('touch {pwned}')", f"eval(\"open('{pwned}','w')\")",
                 f"\\text{{__import__('os').system('touch {pwned}')}}", "x.__class__.__mro__",
@@ -319,10 +358,10 @@ def test_grades_from_other_threads():
 
 def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
     assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")  # a worker is up
-    old = mathtask._worker["proc"]
+    old = math_sandbox._worker["proc"]
     with monkeypatch.context() as m:  # every answer is late, and the worker looks busy in C code
-        m.setattr(mathtask, "DEADLINE_S", 0.0)
-        m.setattr(mathtask, "_cpu_seconds", lambda pid: time.monotonic() * 100)
+        m.setattr(math_sandbox, "DEADLINE_S", 0.0)
+        m.setattr(math_sandbox, "_cpu_seconds", lambda pid: time.monotonic() * 100)
         mathtask._equivalent.cache_clear()
         assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
     assert old.poll() is not None                        # the stuck worker was killed
@@ -332,12 +371,12 @@ def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
 
 def test_a_starved_worker_is_waited_for(monkeypatch):
     assert mathtask.grade(boxed("(x+1)^2"), "x^2+2x+1")
-    old = mathtask._worker["proc"]
-    monkeypatch.setattr(mathtask, "DEADLINE_S", 0.0)     # late at once, but it has used no CPU yet
-    monkeypatch.setattr(mathtask, "_cpu_seconds", lambda pid: 0.0)
+    old = math_sandbox._worker["proc"]
+    monkeypatch.setattr(math_sandbox, "DEADLINE_S", 0.0)  # late at once, but it has used no CPU yet
+    monkeypatch.setattr(math_sandbox, "_cpu_seconds", lambda pid: 0.0)
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True
-    assert mathtask._worker["proc"] is old and old.poll() is None
+    assert math_sandbox._worker["proc"] is old and old.poll() is None
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------

@@ -29,6 +29,7 @@ def adversarial_cases():
         ("math: megabyte of garbage", m, garbage, "5"),
         ("math: garbage inside one box", m, "\\boxed{" + garbage.replace("{", "(").replace("}", ")") + "}", "5"),
         ("math: 100k nested braces in a box", m, "\\boxed{" + nest + "}", "5"),
+        ("math: a megabyte of {} in a wrapped box", m, "\\boxed{{" + "{}" * 500_000 + "}}", "5"),
         ("math: 100k unterminated boxes", m, "\\boxed{" * 100_000, "5"),
         ("math: 100k closed boxes", m, "\\boxed{1}" * 100_000, "5"),
         ("math: a million-digit number", m, "\\boxed{" + "9" * 1_000_000 + "}", "5"),
