@@ -46,10 +46,8 @@ import checkpoint
 from distributed import StopFlag, all_reduce_sum, setup_distributed, sync_gradients
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
-from gpt import GPT
 from metrics import MetricsLog, console_line, step_metrics
 from tasks.common import conversation, get_task, rewards
-from tokenizer import load_tokenizer
 
 # ---- hyperparameters ------------------------------------------------------------------------------
 # What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and --preset=demo (the
@@ -266,7 +264,7 @@ def train(cfg, rank, world, device):
     train_rows, eval_rows = load_data(task, cfg)
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * (len(train_rows) // cfg.examples_per_step)
     start_step, state = checkpoint.resume_point(cfg, world, device)  # (0, None) for a fresh run
-    model, tokenizer = load_policy(state["model_dir"] if state else cfg.model, device)
+    model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, device)
     engine = Engine(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
@@ -366,19 +364,6 @@ def load_data(task, cfg):
     if len(train_rows) < cfg.examples_per_step:
         raise ConfigError(f"{cfg.task} has {len(train_rows)} training problems, fewer than --examples-per-step={cfg.examples_per_step}")
     return train_rows, eval_rows
-
-
-def load_policy(path, device):
-    """(model, tokenizer) from a Hugging Face folder or hub id; "demo_model" is the folder shipped here."""
-    if path == "demo_model":
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
-        if not os.path.exists(os.path.join(path, "model.safetensors")):
-            raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
-                           f"or rebuild it with `python -m tools.make_demo_model` (about 20 minutes)")
-    try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
-        return GPT.from_pretrained(path, device=device), load_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise RunError(f"cannot load model {path!r}: {e}") from None
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
 """
-Checkpoints that resume exactly, and the decision where a run starts.
+Where the policy comes in and goes out: loading it from a folder or hub id, checkpoints that
+resume exactly, and the decision where a run starts.
 
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
@@ -19,11 +20,28 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from flags import ConfigError
+from flags import ConfigError, RunError
+from gpt import GPT
+from tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
               "max_nonfinite", "device_type", "model"}
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_policy(path, device):
+    """(model, tokenizer) from a Hugging Face folder or hub id; "demo_model" is the folder shipped here."""
+    if path == "demo_model":
+        path = os.path.join(REPO, "demo_model")
+        if not os.path.exists(os.path.join(path, "model.safetensors")):
+            raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
+                           f"or rebuild it with `python -m tools.make_demo_model` (about 20 minutes)")
+    try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
+        return GPT.from_pretrained(path, device=device), load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise RunError(f"cannot load model {path!r}: {e}") from None
 
 
 def _ckpt_dirs(out_dir):

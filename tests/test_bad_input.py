@@ -25,7 +25,7 @@ def model_dir(tmp_path):
 def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the bad input was refused")
-    monkeypatch.setattr(chat_rl, "load_policy", refuse)
+    monkeypatch.setattr(checkpoint, "load_policy", refuse)
 
 
 def run(argv, capsys):
@@ -35,7 +35,9 @@ def run(argv, capsys):
 
 
 CASES = [
-    (["--bogus=1"], "unknown flag --bogus"),
+    (["--bogus=1"], "unknown flag --bogus (see --help)"),
+    (["--num-step=20"], "unknown flag --num-step (did you mean --num-steps?)"),
+    (["--lr", "--seed=1"], "--lr needs a value"),
     (["--num-samples=abc"], "expected int"),
     (["--lr=fast"], "expected float"),
     (["--resume=maybe"], "expected bool"),
@@ -132,9 +134,24 @@ def test_an_existing_run_is_not_overwritten_without_resume(capsys, no_model_load
     assert code != 0 and len(err) == 1 and "already holds a run" in err[0]
 
 
+def test_flags_take_their_value_after_an_equals_sign_or_a_space():
+    cfg = flags.parse_config(["--lr", "1e-3", "--eval-every", "-1", "--resume", "--num-samples=8", "--wandb", "proj"],
+                             chat_rl.HYPERPARAMETERS)
+    assert (cfg.lr, cfg.eval_every, cfg.resume, cfg.num_samples, cfg.wandb) == (1e-3, -1, True, 8, "proj")
+    assert flags.parse_config(["--resume", "false"], chat_rl.HYPERPARAMETERS).resume is False
+
+
+def test_the_demo_preset_takes_the_demo_column_and_flags_still_win():
+    cfg = flags.parse_config(["--preset", "demo", "--lr=1e-3"], chat_rl.HYPERPARAMETERS)
+    demo = {name: values[1] for name, values in chat_rl.HYPERPARAMETERS.items()}
+    assert cfg.lr == 1e-3 and cfg.task == "arith" and vars(cfg) == {**demo, "lr": 1e-3, "preset": "demo"}
+
+
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         chat_rl.main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert all(f"--{name.replace('_', '-')}" in out for name in chat_rl.HYPERPARAMETERS)
+    lr_line = next(line for line in out.splitlines() if line.strip().startswith("--lr "))
+    assert "3e-06" in lr_line and "0.0003" in lr_line  # the default and the --preset=demo value, side by side
