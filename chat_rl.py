@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-from distributed import StopFlag, all_reduce_sum, setup_distributed, sync_gradients
+from distributed import StopFlag, all_reduce_sum, restart_count, setup_distributed, sync_gradients
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
 from metrics import MetricsLog, console_line, step_metrics
@@ -263,7 +263,7 @@ def train(cfg, rank, world, device):
     task = get_task(cfg.task)
     train_rows, eval_rows = load_data(task, cfg)
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * (len(train_rows) // cfg.examples_per_step)
-    start_step, state = checkpoint.resume_point(cfg, world, device)  # (0, None) for a fresh run
+    start_step, state = checkpoint.resume_point(cfg, world, device, restarted=restart_count() > 0)  # (0, None): fresh
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, device)
     engine = Engine(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

@@ -95,13 +95,15 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def resume_point(cfg, world, device):
+def resume_point(cfg, world, device, restarted=False):
     """(start_step, state): where this run starts. A fresh run refuses an out_dir that already holds
     one; --resume takes the latest complete checkpoint (state None if there is none yet, so a
-    preemption script can always pass --resume). Every rank must find the same one."""
-    if not cfg.resume and has_run(cfg.out_dir):
+    preemption script can always pass --resume). A group that torchrun restarted (restarted=True)
+    resumes by itself: its command line is the first start's. Every rank must find the same one."""
+    resume = cfg.resume or restarted
+    if not resume and has_run(cfg.out_dir):
         raise ConfigError(f"{cfg.out_dir} already holds a run: pass --resume to continue it, or choose another --out-dir")
-    start_step, state = find_resumable(cfg, world) if cfg.resume else (0, None)
+    start_step, state = find_resumable(cfg, world) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
         found = torch.tensor([start_step, -start_step], device=device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)

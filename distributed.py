@@ -26,8 +26,20 @@ def setup_distributed(device_type):
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # torchrun --max-restarts keeps one key-value store across the restarts of a group, and the
+        # old group's rank addresses are still in it: a restarted rank can read a dead peer's address
+        # and fail ("connectFullMesh failed ... Connection refused", 4 of 6 tries in
+        # tools/repro_gloo_restart.py) or wait on it. Each restart therefore gets keys of its own.
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world)
     return rank, world, device
+
+
+def restart_count():
+    """How many times torchrun (--max-restarts) has restarted this group; 0 for a first start."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def all_reduce_sum(tensor):
