@@ -355,3 +355,81 @@ def test_chat_rl_trains_from_a_hugging_face_folder_and_its_checkpoint_loads_in_t
 def transformers_config_with_vocab(vocab):
     import transformers
     return transformers.Qwen2Config(**{**COMMON, "vocab_size": vocab}, tie_word_embeddings=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The byte tokenizer (the demo's) as a standard Hugging Face tokenizer: tokenizer.json + chat template.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BYTE_CONVERSATIONS = [
+    [{"role": "user", "content": "what is two plus two?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and 3 + 4?\n"}],
+    [{"role": "user", "content": "héllo €😀 <b>"}, {"role": "assistant", "content": "#### 4"},
+     {"role": "user", "content": " spaces  and\ttabs . "}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
+]
+
+
+def random_text(rng, n):
+    """n code points from every plane (surrogates excluded: they are not text): 1- to 4-byte UTF-8."""
+    ranges = [(0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF), (0x10000, 0x10FFFF)]
+    return "".join(chr(rng.randint(*rng.choice(ranges))) for _ in range(n))
+
+
+def test_byte_tokenizer_json_gives_the_same_ids(tmp_path):
+    import random
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import AutoTokenizer
+    from tokenizer import BYTE_CHARS, SPECIAL_TOKENS
+    assert sorted(BYTE_CHARS.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())  # GPT-2's table, as the library has it
+    ours = ByteTokenizer()
+    ours.save_pretrained(tmp_path)
+    raw, auto = Tokenizer.from_file(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
+    assert [raw.token_to_id(t) for t in SPECIAL_TOKENS] == [256, 257, 258, 259, 260] == auto.convert_tokens_to_ids(SPECIAL_TOKENS)
+    assert (auto.bos_token_id, auto.eos_token_id, len(auto)) == (ours.bos_id, 260, ours.vocab_size)
+    rng = random.Random(0)
+    texts = ["", " x . y , z ?", "  two  spaces\n\ttab\r\n", "\x00\x7f\x80ÿ", "héllo €😀"] + [random_text(rng, 50) for _ in range(200)]
+    for text in texts:
+        ids = ours.encode(text)
+        assert raw.encode(text, add_special_tokens=False).ids == ids == auto.encode(text, add_special_tokens=False)
+        assert raw.decode(ids) == text == auto.decode(ids)
+    # any id sequence decodes alike: invalid UTF-8 (a model samples anything) and special tokens between bytes
+    invalid = [[0xFF], [0xE2, 0x82], [0xE2, 0x82, 0x41], [0xC0, 0x80], [0xED, 0xA0, 0x80], [0xF4, 0x90, 0x80, 0x80],
+               [0xE2, 257, 0x82, 0xAC]]
+    for ids in invalid + [[rng.randrange(261) for _ in range(rng.randrange(30))] for _ in range(2000)]:
+        assert raw.decode(ids) == ours.decode(ids) == auto.decode(ids, skip_special_tokens=True), ids
+    assert ours.decode([0xE2, 257, 0x82, 0xAC]) == "€"
+
+
+def test_byte_tokenizer_chat_template_renders_chat_rl_prompts(tmp_path):
+    import jinja2
+    from transformers import AutoTokenizer
+    ours = ByteTokenizer()
+    ours.save_pretrained(tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    for messages in BYTE_CONVERSATIONS:
+        prompt = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert list(prompt) == ours.render_for_completion({"messages": messages})
+    full = BYTE_CONVERSATIONS[2][:2]  # the whole conversation, the assistant's turn and its end token included
+    assert list(auto.apply_chat_template(full, tokenize=True, return_dict=False)) == ours.render_conversation({"messages": full})[0]
+    # a copy without the marker (on the hub, say) reads as a plain HF tokenizer: same ids, same training mask
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.render_conversation({"messages": full}) == ours.render_conversation({"messages": full})
+    assert (hf.stop_tokens, hf.bos_id) == (ours.stop_tokens, ours.bos_id)
+    with pytest.raises(jinja2.exceptions.TemplateError, match="roles must alternate"):
+        auto.apply_chat_template([{"role": "assistant", "content": "hi"}], tokenize=False)
+
+
+def test_byte_tokenizer_folders_load_as_the_byte_tokenizer(tmp_path):
+    ByteTokenizer().save_pretrained(tmp_path / "new")
+    assert isinstance(load_tokenizer(str(tmp_path / "new")), ByteTokenizer)  # the marker wins over tokenizer.json
+    (tmp_path / "old").mkdir()  # what ByteTokenizer saved before it wrote tokenizer.json
+    (tmp_path / "old" / "chat_rl_tokenizer.json").write_text('{"type": "byte"}')
+    assert isinstance(load_tokenizer(str(tmp_path / "old")), ByteTokenizer)
+
+
+def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
+    ByteTokenizer().save_pretrained(tmp_path)
+    for name in os.listdir(tmp_path):
+        with open(tmp_path / name, "rb") as fresh, open(os.path.join(REPO, "demo_model", name), "rb") as shipped:
+            assert shipped.read() == fresh.read(), f"demo_model/{name} is stale: rewrite it with ByteTokenizer().save_pretrained('demo_model')"
