@@ -433,3 +433,27 @@ def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
     for name in os.listdir(tmp_path):
         with open(tmp_path / name, "rb") as fresh, open(os.path.join(REPO, "demo_model", name), "rb") as shipped:
             assert shipped.read() == fresh.read(), f"demo_model/{name} is stale: rewrite it with ByteTokenizer().save_pretrained('demo_model')"
+
+
+# ---------------------------------------------------------------------------------------------
+# File modes: a checkpoint's files get the user's umask, the weights included (safetensors' writer
+# alone would leave them 0600, unreadable to the other users of a shared machine).
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_checkpoint_files_are_written_with_the_users_umask(tmp_path, umask):
+    import stat
+    import chat_rl
+    import checkpoint
+    from gpt import GPTConfig
+    model = GPT(GPTConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1))
+    cfg = chat_rl.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"])
+    old = os.umask(umask)
+    try:
+        checkpoint.save(cfg, 1, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)
+    finally:
+        os.umask(old)
+    folder = tmp_path / "run" / "step_000001"
+    modes = {name: oct(stat.S_IMODE(os.stat(folder / name).st_mode)) for name in os.listdir(folder)}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}
