@@ -7,6 +7,7 @@ as apply_chat_template does. transformers is a test-only dependency, imported in
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -433,6 +434,101 @@ def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
     for name in os.listdir(tmp_path):
         with open(tmp_path / name, "rb") as fresh, open(os.path.join(REPO, "demo_model", name), "rb") as shipped:
             assert shipped.read() == fresh.read(), f"demo_model/{name} is stale: rewrite it with ByteTokenizer().save_pretrained('demo_model')"
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's transformers snippet, executed as written (only its path, and for the demo model its
+# message, replaced): its greedy completion must be the one chat_rl's engine samples at temperature 0.
+
+def readme_snippet():
+    text = open(os.path.join(REPO, "README.md")).read()
+    return text.split("\ntransformers, as it is", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def run_readme_snippet(path, capsys, user_message=None):
+    code, n = re.subn(r'^path = "[^"]*"', lambda m: f"path = {str(path)!r}", readme_snippet(), flags=re.M)
+    assert n == 1, "the README snippet no longer sets path = \"...\" on a line of its own"
+    if user_message is not None:
+        code, n = re.subn(r"^messages = .*$", lambda m: f"messages = [{{'role': 'user', 'content': {user_message!r}}}]",
+                          code, flags=re.M)
+        assert n == 1
+    capsys.readouterr()
+    namespace = {}
+    exec(compile(code, "README.md (transformers snippet)", "exec"), namespace)
+    return namespace, capsys.readouterr().out
+
+
+def assert_snippet_matches_engine(path, namespace, printed):
+    """The snippet's prompt ids, completion ids (its stop token included) and printed text are chat_rl's."""
+    tokenizer, model = load_tokenizer(path), GPT.from_pretrained(path).eval()
+    prompt = tokenizer.render_for_completion({"messages": namespace["messages"]})
+    max_tokens = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
+    sequences, _ = Engine(model, tokenizer).generate_batch([prompt], max_tokens=max_tokens, temperature=0.0, include_stop=True)
+    completion = sequences[0][len(prompt):]
+    assert namespace["inputs"]["input_ids"][0].tolist() == prompt
+    assert namespace["out"][0, len(prompt):].tolist() == completion
+    assert printed == tokenizer.decode(completion) + "\n"
+    return completion
+
+
+def perturb(model, seed=0):
+    """Wide random weights: logits far apart, so greedy decoding meets no near-ties that rounding could flip."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
+    return model
+
+
+def test_readme_snippet_on_a_byte_tokenizer_checkpoint(tmp_path, capsys):
+    # the folder a demo run writes (checkpoint.save), from a random model of the demo's shape
+    import chat_rl
+    import checkpoint
+    from gpt import GPTConfig
+    model = perturb(GPT(GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[261:] = 0  # rows past the 261 tokens: never chosen (the engine masks them)
+    cfg = chat_rl.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"])
+    checkpoint.save(cfg, 300, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)
+    path = tmp_path / "run" / "step_000300"
+    namespace, printed = run_readme_snippet(path, capsys)
+    # as written, the snippet sends the GSM8K user message chat_rl trains on
+    from tasks import gsm8k
+    assert namespace["messages"] == [{"role": "user", "content": gsm8k.prompt({"question": namespace["question"]})}]
+    completion = assert_snippet_matches_engine(str(path), namespace, printed)
+    assert len(completion) > 100  # a long greedy run (random bytes, invalid UTF-8 included), not an early stop
+
+
+def test_readme_snippet_on_the_demo_model(capsys):
+    # the shipped demo_model/, asked a held-out problem of its own task (it never saw GSM8K's wording)
+    from tasks import arith
+    from tasks.common import conversation
+    path = os.path.join(REPO, "demo_model")
+    row = arith.load("test", limit=1)[0]
+    namespace, printed = run_readme_snippet(path, capsys, user_message=arith.prompt(row))
+    assert namespace["messages"] == conversation(arith, row)["messages"]
+    completion = assert_snippet_matches_engine(path, namespace, printed)
+    assert "####" in printed and completion[-1] == 260, printed  # a worked answer that ends its turn
+
+
+def test_readme_snippet_on_a_real_model_style_checkpoint(tmp_path, capsys):
+    # Llama-3 style (a byte-level BPE tokenizer.json with tokenizer_class PreTrainedTokenizerFast, a chat
+    # template, llama3 RoPE), through chat_rl's loader and saver. Not Qwen2: transformers 5 rebuilds any
+    # qwen2 folder's tokenizer as Qwen2Tokenizer (Qwen's own split regex), which only Qwen's tokenizer.json matches.
+    import transformers
+    source = tmp_path / "llama"
+    make_tokenizer_folder(source)
+    vocab = HFTokenizer(str(source)).vocab_size  # no rows past the tokenizer's: every logit is a token
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": vocab, "max_position_embeddings": 2048},
+                                      rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}, tie_word_embeddings=True)
+    perturb(transformers.AutoModelForCausalLM.from_config(config)).save_pretrained(source)
+    path = str(tmp_path / "step_000467")
+    GPT.from_pretrained(str(source)).save_pretrained(path)
+    load_tokenizer(str(source)).save_pretrained(path)
+    namespace, printed = run_readme_snippet(path, capsys)
+    completion = assert_snippet_matches_engine(path, namespace, printed)
+    assert len(completion) > 100
 
 
 # ---------------------------------------------------------------------------------------------
