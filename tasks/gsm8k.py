@@ -21,7 +21,10 @@ Digits are ASCII only (a full-width "１８" is not a number here). format_ok is
 one "####", on the last line, followed by nothing but "-?digits(.digits)?".
 """
 
+import os
 import re
+import urllib.error
+import urllib.request
 from fractions import Fraction
 
 DATASET, CONFIG = "openai/gsm8k", "main"
@@ -34,6 +37,7 @@ def load(split, limit=None):
     """The train (7473) or test (1319) split through HF `datasets`, imported here so other tasks never pay for it."""
     if split not in ("train", "test"):
         raise ValueError(f"gsm8k has splits 'train' and 'test', not {split!r}")
+    use_cache_if_hub_unreachable()
     from datasets import load_dataset
     try:
         ds = load_dataset(DATASET, CONFIG, split=split)
@@ -42,6 +46,29 @@ def load(split, limit=None):
                            "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     return rows[:limit] if limit else rows
+
+
+HUB_TIMEOUT_S = 3.0
+
+
+def use_cache_if_hub_unreachable():
+    """
+    Call before the first `import datasets`. Unless offline mode is already on, ask the hub once
+    (HF_ENDPOINT, a HEAD request, HUB_TIMEOUT_S); if nothing answers, turn on datasets' offline mode
+    (HF_DATASETS_OFFLINE=1, read when datasets is imported): load_dataset then reads only the local
+    cache, so a machine without network loads its cached copy, or fails in seconds with the loader's
+    one line, instead of sitting through datasets' ~24 s of "Retrying in 8s [Retry 5/5]" first.
+    """
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    try:
+        with urllib.request.urlopen(urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
+                                                           method="HEAD"), timeout=HUB_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        pass  # an error status is still an answer: the hub is reachable
+    except OSError:  # refused, no route, no DNS, timed out (URLError and TimeoutError are OSErrors)
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def prompt(row):

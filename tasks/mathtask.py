@@ -66,6 +66,8 @@ def load(split, limit=None):
     """MATH train (7500, subjects interleaved so a limit still covers all) or MATH-500 test (500)."""
     if split not in ("train", "test"):
         raise ValueError(f"math has splits 'train' and 'test', not {split!r}")
+    from tasks.gsm8k import use_cache_if_hub_unreachable  # fail in seconds, not after ~24 s of hub retries
+    use_cache_if_hub_unreachable()
     if split == "test":
         rows = [dict(r) for r in _load_dataset(TEST_DATASET, None, "test")]
     else:  # the train split only: MATH-500 comes from MATH's test split
