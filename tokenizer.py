@@ -81,6 +81,7 @@ class ByteTokenizer:
         _write_json(os.path.join(path, "tokenizer_config.json"), {
             "tokenizer_class": "PreTrainedTokenizerFast",  # a plain tokenizer.json, no Python tokenizer class
             "bos_token": "<|bos|>", "eos_token": "<|assistant_end|>",
+            "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids, which generate() refuses
             "clean_up_tokenization_spaces": False,  # decode must not drop the space in "x ." (the bytes are the text)
         })
         with open(os.path.join(path, "chat_template.jinja"), "w") as f:

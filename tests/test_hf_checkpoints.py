@@ -226,7 +226,8 @@ def make_tokenizer_folder(path):
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-                   "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}, f)
+                   "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+                   "model_input_names": ["input_ids", "attention_mask"]}, f)  # as Llama 3 ships it
     return str(path)
 
 
