@@ -438,20 +438,21 @@ def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's transformers snippet, executed as written (only its path, and for the demo model its
-# message, replaced): its greedy completion must be the one chat_rl's engine samples at temperature 0.
+# The README's transformers snippet, executed as written (its path replaced; for demo_model/, its
+# commented-out message for the demo's models used): its prompt ids, greedy completion and printed text
+# must be the ones chat_rl's engine gives at temperature 0.
 
 def readme_snippet():
     text = open(os.path.join(REPO, "README.md")).read()
     return text.split("\ntransformers, as it is", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-def run_readme_snippet(path, capsys, user_message=None):
+def run_readme_snippet(path, capsys, demo_message=False):
+    """Execute the snippet on path; demo_message: with its commented-out message for the demo's models instead."""
     code, n = re.subn(r'^path = "[^"]*"', lambda m: f"path = {str(path)!r}", readme_snippet(), flags=re.M)
     assert n == 1, "the README snippet no longer sets path = \"...\" on a line of its own"
-    if user_message is not None:
-        code, n = re.subn(r"^messages = .*$", lambda m: f"messages = [{{'role': 'user', 'content': {user_message!r}}}]",
-                          code, flags=re.M)
+    if demo_message:
+        code, n = re.subn(r"^# (messages = .*)$", r"\1", code, flags=re.M)  # the later assignment wins
         assert n == 1
     capsys.readouterr()
     namespace = {}
@@ -502,15 +503,14 @@ def test_readme_snippet_on_a_byte_tokenizer_checkpoint(tmp_path, capsys):
 
 
 def test_readme_snippet_on_the_demo_model(capsys):
-    # the shipped demo_model/, asked a held-out problem of its own task (it never saw GSM8K's wording)
+    # the shipped demo_model/, asked the snippet's problem for the demo (one of its own kind, as arith asks it)
     from tasks import arith
-    from tasks.common import conversation
     path = os.path.join(REPO, "demo_model")
-    row = arith.load("test", limit=1)[0]
-    namespace, printed = run_readme_snippet(path, capsys, user_message=arith.prompt(row))
-    assert namespace["messages"] == conversation(arith, row)["messages"]
+    namespace, printed = run_readme_snippet(path, capsys, demo_message=True)
+    question = namespace["messages"][0]["content"]
+    assert namespace["messages"] == [{"role": "user", "content": arith.prompt({"question": question})}]
     completion = assert_snippet_matches_engine(path, namespace, printed)
-    assert "####" in printed and completion[-1] == 260, printed  # a worked answer that ends its turn
+    assert printed.endswith("#### 34\n") and completion[-1] == 260, printed  # what the README says it answers, then its turn ends
 
 
 def test_readme_snippet_on_a_real_model_style_checkpoint(tmp_path, capsys):
