@@ -106,9 +106,7 @@ CHAT_TEMPLATE = r"""{#- chat_rl's byte tokenizer (tokenizer.py): <|bos|>, then u
         {{- raise_exception('roles must alternate user, assistant, user, ... (after an optional system message)') -}}
     {%- endif -%}
     {%- if message['role'] == 'user' -%}
-        <|user_start|>{{ messages[0]['content'] + '
-
-' if offset and loop.first else '' }}{{ message['content'] }}<|user_end|>
+        <|user_start|>{{ messages[0]['content'] + '\n\n' if offset and loop.first else '' }}{{ message['content'] }}<|user_end|>
     {%- else -%}
         <|assistant_start|>{{ message['content'] }}<|assistant_end|>
     {%- endif -%}
