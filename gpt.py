@@ -277,7 +277,12 @@ class GPT(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight")  # safetensors refuses shared storage; the config says "tied"
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})  # "pt": what transformers expects
+        weights = os.path.join(path, "model.safetensors")
+        save_file(state, weights, metadata={"format": "pt"})  # "pt": what transformers expects
+        # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the
+        # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
+        # 022), or the other users of a shared machine could read the config but not the weights
+        os.chmod(weights, 0o666 & ~_umask())
         hf = config_to_hf(self.config)
         hf["torch_dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -318,6 +323,13 @@ def safetensors_files(path):
     if not os.path.exists(single):
         raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)")
     return [single]
+
+
+def _umask():
+    """The process's umask: os.umask can only read it by setting it, so it is set straight back."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _read_json(file):

@@ -10,10 +10,12 @@ Tokenizers. Both expose the same methods, so chat_rl.py and engine.py never ask 
 A conversation is {"messages": [{"role": "user" | "assistant" | "system", "content": str}, ...]}.
 
 ByteTokenizer: the 256 byte values plus five chat special tokens; the offline demo and the
-tests use it, so nothing has to be downloaded.
+tests use it, so nothing has to be downloaded. It saves itself as a standard Hugging Face tokenizer
+(tokenizer.json + chat template), so transformers loads a demo checkpoint with the same ids.
 HFTokenizer: a real checkpoint's tokenizer.json (the `tokenizers` library) with the model's own
 chat template, rendered the way transformers' apply_chat_template renders it.
-load_tokenizer(folder or hub id) picks the one a folder was saved with; save_pretrained writes it back.
+load_tokenizer(folder or hub id) picks the one a folder was saved with (ByteTokenizer's folders carry the
+marker chat_rl_tokenizer.json); save_pretrained writes it back.
 """
 
 import json
@@ -64,11 +66,81 @@ class ByteTokenizer:
         return ids + [self.special["<|assistant_start|>"]]
 
     def save_pretrained(self, path):
-        """A marker that load_tokenizer reads back, and the stop token for transformers' generate."""
+        """
+        The files of a standard Hugging Face tokenizer, so AutoTokenizer loads the folder as it
+        is, with the same ids and prompts as this class:
+          tokenizer.json         byte b -> id b (see byte_level_tokenizer), the special tokens at 256..260
+          tokenizer_config.json  the class transformers builds, and which special token is bos / eos
+          chat_template.jinja    CHAT_TEMPLATE: apply_chat_template renders what render_conversation does
+          generation_config.json the stop token, so transformers' generate stops where the engine does
+        plus the marker chat_rl_tokenizer.json, which makes load_tokenizer return this class.
+        """
         os.makedirs(path, exist_ok=True)
         _write_json(os.path.join(path, "chat_rl_tokenizer.json"), {"type": "byte"})
+        byte_level_tokenizer().save(os.path.join(path, "tokenizer.json"))
+        _write_json(os.path.join(path, "tokenizer_config.json"), {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # a plain tokenizer.json, no Python tokenizer class
+            "bos_token": "<|bos|>", "eos_token": "<|assistant_end|>",
+            "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids, which generate() refuses
+            "clean_up_tokenization_spaces": False,  # decode must not drop the space in "x ." (the bytes are the text)
+        })
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(CHAT_TEMPLATE)
         _write_json(os.path.join(path, "generation_config.json"),
                     {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_tokens)})
+
+
+# ByteTokenizer's conversation format as a Jinja chat template (the ecosystem's form of it), rendered to
+# text that the tokenizer.json below turns into exactly render_conversation's ids: the special tokens
+# are written as their strings, which the tokenizer maps to 256..260.
+CHAT_TEMPLATE = r"""{#- chat_rl's byte tokenizer (tokenizer.py): <|bos|>, then user turns <|user_start|>...<|user_end|> and
+    assistant turns <|assistant_start|>...<|assistant_end|>, alternating; a leading system message is
+    folded into the first user turn, joined by a blank line. -#}
+{%- set offset = 1 if messages and messages[0]['role'] == 'system' else 0 -%}
+{%- if offset and (messages | length < 2 or messages[1]['role'] != 'user') -%}
+    {{- raise_exception('a system message must precede a user message') -}}
+{%- endif -%}
+<|bos|>
+{%- for message in messages[offset:] -%}
+    {%- if message['role'] != ['user', 'assistant'][loop.index0 % 2] -%}
+        {{- raise_exception('roles must alternate user, assistant, user, ... (after an optional system message)') -}}
+    {%- endif -%}
+    {%- if message['role'] == 'user' -%}
+        <|user_start|>{{ messages[0]['content'] + '\n\n' if offset and loop.first else '' }}{{ message['content'] }}<|user_end|>
+    {%- else -%}
+        <|assistant_start|>{{ message['content'] }}<|assistant_end|>
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|assistant_start|>
+{%- endif -%}
+"""
+
+
+def byte_level_tokenizer():
+    """
+    ByteTokenizer as a `tokenizers` Tokenizer (what tokenizer.json holds): the ByteLevel pre-tokenizer
+    turns each UTF-8 byte of the text into one printable character (GPT-2's table, BYTE_CHARS), and a
+    BPE model with those 256 characters as its vocabulary (character of byte b -> id b) and no merges
+    maps each to its id, so every text encodes to its bytes. The decoder maps characters back to bytes
+    and decodes them as UTF-8, invalid sequences becoming U+FFFD as in ByteTokenizer.decode.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in BYTE_CHARS.items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # no word splits: none needed
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS])  # ids 256..260
+    return tok
+
+
+def _byte_chars():
+    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other 68 for chr(256 + n)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+BYTE_CHARS = _byte_chars()
 
 
 def _merged_turns(conversation):
@@ -193,10 +265,11 @@ def load_tokenizer(name_or_dir):
     """HFTokenizer for a folder (or hub id) with tokenizer.json; ByteTokenizer for one saved by ByteTokenizer."""
     from gpt import resolve_folder  # one place turns hub ids into folders
     folder = resolve_folder(name_or_dir)
-    if os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return HFTokenizer(folder)
+    # the marker first: a byte tokenizer's folder carries a tokenizer.json too (for transformers)
     if _read_json_if_any(folder, "chat_rl_tokenizer.json").get("type") == "byte":
         return ByteTokenizer()
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return HFTokenizer(folder)
     raise ValueError(f"{folder} has neither tokenizer.json (a fast tokenizer) nor chat_rl_tokenizer.json (the byte tokenizer)")
 
 

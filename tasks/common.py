@@ -14,6 +14,11 @@ Optional: solution(row) -> str, a worked solution ending in the answer (supervis
 """
 
 import importlib
+import os
+import urllib.error
+import urllib.request
+
+HUB_TIMEOUT_S = 3.0  # how long a data loader waits for the hub before it reads the local cache only
 
 TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith"}
 
@@ -49,3 +54,23 @@ def rewards(task, completion, reference, format_weight=0.0):
     answer = float(task.grade(completion, reference))
     fmt = float(task.format_ok(completion))
     return {"answer": answer, "format": fmt, "total": answer + format_weight * fmt}
+
+
+def use_cache_if_hub_unreachable():
+    """
+    Call before the first `import datasets`. Unless offline mode is already on, ask the hub once
+    (HF_ENDPOINT, a HEAD request, HUB_TIMEOUT_S); if nothing answers, turn on datasets' offline mode
+    (HF_DATASETS_OFFLINE=1, read when datasets is imported): load_dataset then reads only the local
+    cache, so a machine without network loads its cached copy, or fails in seconds with the loader's
+    one line, instead of sitting through datasets' ~24 s of "Retrying in 8s [Retry 5/5]" first.
+    """
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    try:
+        with urllib.request.urlopen(urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
+                                                           method="HEAD"), timeout=HUB_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        pass  # an error status is still an answer: the hub is reachable
+    except OSError:  # refused, no route, no DNS, timed out (URLError and TimeoutError are OSErrors)
+        os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -24,6 +24,8 @@ one "####", on the last line, followed by nothing but "-?digits(.digits)?".
 import re
 from fractions import Fraction
 
+from tasks.common import use_cache_if_hub_unreachable
+
 DATASET, CONFIG = "openai/gsm8k", "main"
 
 INSTRUCTION = ("Solve the problem step by step. On the last line write the final answer as "
@@ -34,6 +36,7 @@ def load(split, limit=None):
     """The train (7473) or test (1319) split through HF `datasets`, imported here so other tasks never pay for it."""
     if split not in ("train", "test"):
         raise ValueError(f"gsm8k has splits 'train' and 'test', not {split!r}")
+    use_cache_if_hub_unreachable()
     from datasets import load_dataset
     try:
         ds = load_dataset(DATASET, CONFIG, split=split)
@@ -42,6 +45,8 @@ def load(split, limit=None):
                            "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     return rows[:limit] if limit else rows
+
+
 
 
 def prompt(row):

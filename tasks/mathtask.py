@@ -45,6 +45,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 from tasks import math_sandbox
+from tasks.common import use_cache_if_hub_unreachable
 
 TRAIN_DATASET, TRAIN_CONFIGS = "EleutherAI/hendrycks_math", (
     "algebra", "counting_and_probability", "geometry", "intermediate_algebra",
@@ -68,6 +69,7 @@ def load(split, limit=None):
     """MATH train (7500, subjects interleaved so a limit still covers all) or MATH-500 test (500)."""
     if split not in ("train", "test"):
         raise ValueError(f"math has splits 'train' and 'test', not {split!r}")
+    use_cache_if_hub_unreachable()
     if split == "test":
         rows = [dict(r) for r in _load_dataset(TEST_DATASET, None, "test")]
     else:  # the train split only: MATH-500 comes from MATH's test split

@@ -5,20 +5,67 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_plot_writes_a_png_of_a_run(tmp_path):
-    rows = [{"step": s, "reward": 0.5 + s / 10, "seq_len": 30 - s, "truncated": 0.0} for s in range(4)]
-    rows += [{"step": s, "split": "eval", "pass@1": 0.4 + s / 10, "pass@2": 0.6 + s / 20} for s in (0, 2, 4)]
-    with open(tmp_path / "metrics.jsonl", "w") as f:
+def write_run(folder, steps=4, greedy=True):
+    """A short run: integer steps 0..steps-1, no truncation at all, eval rows every 2 steps."""
+    rows = [{"step": s, "reward": 0.5 + s / 10, "seq_len": 30 - s, "truncated": 0.0} for s in range(steps)]
+    rows += [{"step": s, "split": "eval", "pass@1": 0.4 + s / 10, "pass@2": 0.6 + s / 20, **({"greedy": 0.7} if greedy else {})}
+             for s in range(0, steps + 1, 2)]
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.write('{"step": 4, "rew')  # a run killed mid-line
-    result = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    return str(folder)
+
+
+def plot_command(*args):
+    return subprocess.run([sys.executable, "-m", "tools.plot", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_plot_writes_a_png_of_a_run(tmp_path):
+    result = plot_command(write_run(tmp_path))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_without_a_run_says_how_to_use_it(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert result.returncode != 0 and "usage: python -m tools.plot" in result.stderr
+def test_plot_panels(tmp_path):
+    from tools.plot import figure
+    fig = figure([write_run(tmp_path / "a"), write_run(tmp_path / "b", greedy=False)])
+    reward, passk, _, truncated = fig.axes
+    for ax in fig.axes:  # a 4-step run: ticks at whole steps only, not 0.5, 1.5, ...
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(t == int(t) for t in ticks), ticks
+    # truncation 0 throughout: the axis runs from 0 to 1 (a fraction), not matplotlib's +-0.04 around 0
+    low, high = truncated.get_ylim()
+    assert -0.05 < low < 0 and high == 1.0
+    # train reward: each run's raw line (faint) and its running mean (labelled, opaque)
+    assert len(reward.lines) == 4 and [line.get_label() for line in reward.lines if not line.get_label().startswith("_")] == ["a", "b"]
+    assert "running mean of 20 steps" in reward.get_title()
+    raw, smooth = reward.lines[:2]
+    assert raw.get_alpha() < 0.5 and smooth.get_alpha() is None
+    assert list(smooth.get_ydata()) == pytest.approx([0.5, 0.55, 0.6, 0.65])
+    # pass@1 solid, pass@2 dashed, greedy dotted, where rows carry it (run a only)
+    styles = {line.get_label(): line.get_linestyle() for line in passk.lines}
+    assert styles == {"a pass@1": "-", "a pass@2": "--", "a greedy": ":", "b pass@1": "-", "b pass@2": "--"}
+    assert "greedy (dotted)" in passk.get_title()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp_path: tmp_path / "nope", "plot: no such folder: {}"),
+    (lambda tmp_path: tmp_path, "plot: {} has no metrics.jsonl"),
+])
+def test_plot_of_no_run_says_what_is_missing_in_one_line(tmp_path, make, message):
+    folder = make(tmp_path)
+    result = plot_command(folder)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(err) == 1 and err[0].startswith(message.format(folder)), result.stderr
+
+
+def test_plot_without_arguments_prints_its_usage():
+    result = plot_command()
+    assert result.returncode != 0 and result.stderr.startswith("usage: python -m tools.plot")

@@ -20,6 +20,7 @@ import random
 import time
 
 import torch
+from tqdm import tqdm
 
 from chat_rl import make_batch
 from gpt import GPT, GPTConfig
@@ -52,7 +53,12 @@ def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE):
     return make_batch(seqs, masks, "cpu")  # the same batching as RL's loss: targets only where mask is 1
 
 
-def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=print):
+def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm.write):
+    """
+    Progress: a bar with counts on a terminal (tqdm, on stderr; off when stderr is not a terminal, e.g.
+    a log file), and a plain line every 100 steps either way. log=tqdm.write prints lines without
+    breaking the bar.
+    """
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = ByteTokenizer()
@@ -61,6 +67,7 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=prin
     rows = arith.load("train", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     t0 = time.time()
+    bar = tqdm(total=num_steps, desc="sft", unit="step", disable=None)  # None: only on a terminal
     for step in range(num_steps):
         lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)  # warmup, then linear decay to 0
         for group in opt.param_groups:
@@ -71,12 +78,16 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=prin
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)  # drawn by the update
+        bar.update()
         if step % 100 == 0 or step == num_steps - 1:
             log(f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | {time.time() - t0:.0f}s")
+    bar.close()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    log(f"saved {out}; measuring held-out accuracy, greedy and sampled")
     greedy, sampled = measure(model, tokenizer)
-    log(f"saved {out}: held-out accuracy {greedy:.1%} greedy, pass@1 {sampled:.1%} at temperature 1.0 (200 problems)")
+    log(f"{out}: held-out accuracy {greedy:.1%} greedy, pass@1 {sampled:.1%} at temperature 1.0 (200 problems)")
     return model
 
 
@@ -87,10 +98,14 @@ def measure(model, tokenizer, num_problems=200, samples=4):
     prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in rows]
     engine, model = Engine(model, tokenizer), model.eval()
     scores = []
+    # one batch per temperature (the seeded samples, and so the numbers, depend on the batch): the bar counts completions
+    bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
         seqs, masks = engine.generate_batch(prompts, n, max_tokens=48, temperature=temperature, seed=1)
         texts = [tokenizer.decode([t for t, m in zip(s, k) if m]) for s, k in zip(seqs, masks)]
         scores.append(sum(arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)) / len(texts))
+        bar.update(len(texts))
+    bar.close()
     return scores
 
 
