@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hub import resolve_folder
+
 
 @dataclass
 class GPTConfig:
@@ -293,27 +295,6 @@ class GPT(nn.Module):
 # Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
-# tokenizer, chat template, stop tokens; not *.bin, *.gguf or other copies of the weights
-HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
-
-
-def resolve_folder(name_or_dir):
-    """A local folder as it is; a hub id ("Qwen/Qwen2.5-0.5B-Instruct") is fetched into the HF cache first."""
-    if os.path.isdir(name_or_dir):
-        return name_or_dir
-    if name_or_dir.count("/") != 1 or name_or_dir.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
-    from huggingface_hub import snapshot_download  # imported here: the offline demo never needs the hub
-    try:
-        return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
-    except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        raise FileNotFoundError(f"{name_or_dir!r} is no local folder and the hub download failed: "
-                                f"{type(e).__name__}: {first_line}") from None
-
-
 def safetensors_files(path):
     """The weight files of a folder: the shards its index names, else model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")

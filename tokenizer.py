@@ -20,6 +20,13 @@ marker chat_rl_tokenizer.json); save_pretrained writes it back.
 
 import json
 import os
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # templates from the hub are untrusted code
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from hub import resolve_folder
 
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 
@@ -125,7 +132,6 @@ def byte_level_tokenizer():
     maps each to its id, so every text encodes to its bytes. The decoder maps characters back to bytes
     and decodes them as UTF-8, invalid sequences becoming U+FFFD as in ByteTokenizer.decode.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in BYTE_CHARS.items()}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # no word splits: none needed
     tok.decoder = decoders.ByteLevel()
@@ -168,7 +174,6 @@ class HFTokenizer:
     """A checkpoint folder's tokenizer.json, chat template and stop tokens, behind ByteTokenizer's methods."""
 
     def __init__(self, folder):
-        from tokenizers import Tokenizer  # imported here: the demo's byte tokenizer does not need it
         self.folder = folder
         # the files' bytes are kept: a resumed run loads from a checkpoint folder that checkpoint
         # pruning later deletes, and every later checkpoint must still carry the tokenizer
@@ -263,7 +268,6 @@ class HFTokenizer:
 
 def load_tokenizer(name_or_dir):
     """HFTokenizer for a folder (or hub id) with tokenizer.json; ByteTokenizer for one saved by ByteTokenizer."""
-    from gpt import resolve_folder  # one place turns hub ids into folders
     folder = resolve_folder(name_or_dir)
     # the marker first: a byte tokenizer's folder carries a tokenizer.json too (for transformers)
     if _read_json_if_any(folder, "chat_rl_tokenizer.json").get("type") == "byte":
@@ -289,9 +293,6 @@ def _compile_chat_template(source):
     """Jinja set up as the ecosystem renders chat templates: sandboxed, trim/lstrip blocks, raise_exception."""
     if source is None:
         return None
-    from datetime import datetime
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # templates from the hub are untrusted code
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
