@@ -111,6 +111,8 @@ def check_config(cfg, world_size):
         raise ConfigError("--device-type=cuda but no CUDA device is visible")
     if cfg.device_type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("--device-type=mps but MPS is not available on this machine")
+    if cfg.fsdp and cfg.device_type == "mps":
+        raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
