@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import chat_rl
+import checkpoint
+import flags
 import fsdp
 from engine import Engine
 from gpt import GPT, GPTConfig
@@ -293,3 +295,12 @@ def test_a_checkpoint_resumes_with_the_other_kind_of_run(runs, tmp_path, source,
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = weights(out), weights(runs[source])
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # sums in another order: close, not equal
+
+
+def test_a_sharded_checkpoint_without_its_optimizer_shards_is_refused_in_one_line(runs, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(runs["fsdp"]), str(out)], check=True)
+    os.remove(out / "step_000004" / "optimizer" / ".metadata")  # as if only the weights had been copied over
+    cfg = flags.parse_config([*ARGS, f"--out-dir={out}", "--fsdp", "--resume"], chat_rl.HYPERPARAMETERS)
+    with pytest.raises(flags.ConfigError, match="optimizer/ folder of per-rank shards .* is missing"):
+        checkpoint.find_resumable(cfg, 2)
