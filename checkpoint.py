@@ -79,13 +79,12 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
     if sharded:  # every rank: the weights gathered tensor by tensor, and its own shard of the optimizer state
         dist.barrier()  # the temporary folder exists, and no leftover is being deleted under another rank
         fsdp.save_weights(model, tmp, rank)
-        fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))
+    saved_optimizer = fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))  # None: in optimizer/
     if rank == 0:
         if not sharded:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        state = {"step": step, "optimizer": None if sharded else optimizer.state_dict(), "rng": rngs,
-                 "world_size": world, "config": vars(cfg)}
+        state = {"step": step, "optimizer": saved_optimizer, "rng": rngs, "world_size": world, "config": vars(cfg)}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename makes them visible
             for name in names:

@@ -68,7 +68,7 @@ def prepare(model, device, fsdp, activation_checkpointing):
 
 
 def units(model):
-    """The FSDP units of a sharded model: one per decoder layer, then the root."""
+    """The FSDP units of a sharded model: the root, then one per decoder layer."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
@@ -135,15 +135,23 @@ def save_weights(model, path, rank):
 
 
 def save_optimizer(model, optimizer, path):
-    """Every rank writes its shard of the AdamW state into the folder `path` (torch.distributed.checkpoint:
-    a file per rank plus .metadata, which says how the shards make the whole tensors)."""
+    """What trainer_state.pt keeps of the optimizer; every rank calls this. A replicated model's whole state
+    dict; for a sharded one None, each rank having written its shard into the folder `path`
+    (torch.distributed.checkpoint: a file per rank plus .metadata, which says how the shards make the
+    whole tensors). Before the first update AdamW has no state to shard: its empty state dict is kept
+    (get_optimizer_state_dict would create one by a zero-lr step, one AdamW step too many)."""
+    if not is_sharded(model) or not optimizer.state:
+        return optimizer.state_dict()
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path)
+    return None
 
 
 def restore_optimizer(model, optimizer, saved, path):
     """Load the AdamW state of a checkpoint into this run's optimizer, sharded or not.
-    saved: the whole state dict a replicated run keeps in trainer_state.pt, or None when the checkpoint
-    holds per-rank shards in the folder `path` (a sharded run's)."""
+    saved: the state dict trainer_state.pt keeps (save_optimizer), or None when the checkpoint holds
+    per-rank shards in the folder `path` (a sharded run's)."""
+    if saved is not None and not saved["state"]:
+        return  # saved before the first update: AdamW creates its state at its first step, as here
     if saved is not None and not is_sharded(model):
         optimizer.load_state_dict(saved)
     elif saved is not None:  # a replicated run's state into shards: each rank keeps its part of every tensor

@@ -71,6 +71,10 @@ def _worker(rank, world, init_file, out_dir):
     cpu, out = torch.device("cpu"), {}
     model = fsdp.prepare(model_for_test(), cpu, fsdp=True, activation_checkpointing=False)
     recomputing = fsdp.prepare(model_for_test(), cpu, fsdp=True, activation_checkpointing=True)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a checkpoint before the first update
+    saved = fsdp.save_optimizer(model, fresh, os.path.join(out_dir, "no optimizer shards"))
+    fsdp.restore_optimizer(model, fresh, saved, None)
+    out["state before the first update"] = (len(saved["state"]), len(fresh.state))
     for case, live in LIVE.items():
         out[f"grads {case}"] = gradient(model, rank, live[rank])
         out[f"checkpointed grads {case}"] = gradient(recomputing, rank, live[rank])
@@ -188,6 +192,12 @@ def test_optimizer_state_moves_between_sharded_and_whole(ranks, direction):
         assert loaded.keys() == source.keys()
         for name, state in source.items():
             assert all(torch.equal(loaded[name][k], state[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
+
+
+def test_a_checkpoint_before_the_first_update_keeps_adamw_without_state(ranks):
+    # nothing to shard yet; a state made up for the checkpoint would be one AdamW step too many
+    assert ranks[1][0]["state before the first update"] == (0, 0)
+    assert not (ranks[0] / "no optimizer shards").exists()
 
 
 def test_activation_checkpointing_gives_the_same_gradient():
