@@ -78,9 +78,10 @@ def _convert(name, value, default):
 def print_help(hyperparameters, doc):
     print(doc.strip().split("\n")[0])
     print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
-    print(f"  {'flag':<24} {'default':<28} {'--preset=demo':<14} meaning")
+    width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
+    print(f"  {'flag':<{width}} {'default':<28} {'--preset=demo':<14} meaning")
     for name, (default, demo, help) in hyperparameters.items():
-        print(f"  --{name.replace('_', '-'):<22} {default!r:<28} {demo!r:<14} {help}")
+        print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {demo!r:<14} {help}")
 
 
 def check_config(cfg, world_size):
