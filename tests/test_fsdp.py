@@ -283,6 +283,15 @@ def test_fsdp_run_ends_where_the_replicated_run_ends(runs):
     assert 0.45 < per_shard / replicated < 0.55
 
 
+def test_fsdp_run_checkpoint_loads_in_transformers_with_equal_logits(runs):
+    from transformers import AutoModelForCausalLM
+    folder = str(runs["fsdp"] / "step_000004")
+    ours, hf = GPT.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(idx) - hf(idx).logits).abs().max().item() < 1e-5
+
+
 def test_fsdp_sigkill_then_resume_matches_the_uninterrupted_run(runs, tmp_path):
     out = tmp_path / "run"
     killed = torchrun(out, "--fsdp", kill_at=2)
