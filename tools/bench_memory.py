@@ -120,16 +120,14 @@ def per_token(tokens=256):
         model = GPT(config).to(torch.bfloat16)  # one layer of the shape: the rest repeats it
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        model.inv_freq = model.inv_freq.float()
         idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
-        x = model.model.embed_tokens(idx).requires_grad_()
+        x = model.model.embed_tokens(idx)  # the layer's input (B, T, C), bf16
         cos, sin = (t.to(x.dtype) for t in model.rope(torch.arange(tokens)[None]))
         layer = {}
         for checkpointing in (False, True):
-            model.checkpoint_layers = checkpointing
             with SavedBytes(model) as saved:
                 h = x
-                for block in model.model.layers:  # the loop of gpt.GPT.forward, one layer
+                for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
                     h = (torch.utils.checkpoint.checkpoint(block, h, cos, sin, None, None, use_reentrant=False)
                          if checkpointing else block(h, cos, sin, None, None))
             layer[checkpointing] = saved.total
