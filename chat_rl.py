@@ -28,7 +28,7 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
     python -m chat_rl                                                 # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
-    torchrun --standalone --nproc_per_node=8 -m chat_rl               # 8 GPUs
+    torchrun --standalone --nproc_per_node=8 -m chat_rl               # 8 GPUs (a 7B model: --fsdp, see the README)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 -m chat_rl
 """
 
@@ -43,7 +43,8 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-from distributed import StopFlag, all_reduce_sum, restart_count, setup_distributed, sync_gradients
+import fsdp
+from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
 from metrics import MetricsLog, console_line, step_metrics
@@ -81,6 +82,9 @@ HYPERPARAMETERS = dict(
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
     max_nonfinite=      (5,                             5,             "stop after this many non-finite updates in a row"),
+    # memory (README: "Past one GPU's memory")
+    fsdp=               (False,                         False,         "FSDP2: shard weights/grads/AdamW when 16 B/param won't fit"),
+    activation_checkpointing=(False,                    False,         "recompute layers in backward: less memory, ~1/3 more compute"),
     # evaluation and checkpoints
     eval_every=         (50,                            50,            "steps between pass@k evals; -1 = off"),
     eval_examples=      (400,                           200,           "held-out problems per eval"),
@@ -175,7 +179,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
 
     The normaliser is the sampled-token count of the step's kept rows on all ranks (one all-reduce
     of two scalars), so micro-batching and the number of ranks leave the loss unchanged; the
-    gradients are then summed over ranks by sync_gradients. Rows of groups with all-zero advantages
+    gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP's reduce-scatters
+    during the backward pass). Rows of groups with all-zero advantages
     are dropped before any forward pass. Every rank joins the same collectives, whatever it kept.
     The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
     log-likelihood, negative whenever the policy already gives its better completions more
@@ -191,8 +196,13 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     loss_sum = torch.zeros((), device=device)
     if normaliser == 0:
         return loss_sum, 0
-    for batch in micro_batches([len(sequences[i]) - 1 for i in keep], device_batch_size, device_batch_tokens):
-        rows = [keep[j] for j in batch]
+    lengths = [len(sequences[i]) - 1 for i in keep]
+    batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
+    # under FSDP each forward/backward is collective, so every rank runs as many passes as the busiest one: the
+    # extra ones over a row added here whose one target is -1 (mask 0), with a loss and gradient of exactly zero
+    sequences, masks, advantages = sequences + [[0, 0]], masks + [[0, 0]], torch.cat([advantages, advantages.new_zeros(1)])
+    batches += [[len(sequences) - 1]] * (passes_on_every_rank(model, len(batches), device) - len(batches))
+    for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         adv = advantages[rows].to(device)
         with autocast:
@@ -264,11 +274,13 @@ def train(cfg, rank, world, device):
     train_rows, eval_rows = load_data(task, cfg)
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * (len(train_rows) // cfg.examples_per_step)
     start_step, state = checkpoint.resume_point(cfg, world, device, restarted=restart_count() > 0)  # (0, None): fresh
-    model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, device)
+    # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
+    model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
+    model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
     engine = Engine(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
-        checkpoint.restore(state, optimizer, rank)
+        checkpoint.restore(state, model, optimizer, rank)
     # weights stay fp32 (AdamW's master copy); on CUDA the matmuls run in bf16
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
@@ -282,7 +294,7 @@ def train(cfg, rank, world, device):
             break
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps):
             model.eval()
-            with autocast:
+            with autocast, fsdp.gathered(model):
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
                                             device, seed=derive_seed(cfg.seed, "eval", rank), rows_per_call=cfg.generate_batch_rows)
             last_pass1 = metrics["pass@1"]
@@ -293,14 +305,14 @@ def train(cfg, rank, world, device):
         t0 = time.time()
         rows = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)    # 1.
         model.eval()
-        with autocast:                                                                                  # 2-3.
+        optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
+        with autocast, fsdp.gathered(model):                                                            # 2-3.
             out = rollout(engine, task, rows, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step, rank), format_weight=cfg.format_weight,
                           rows_per_call=cfg.generate_batch_rows)
         t_rollout = time.time() - t0
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
-        optimizer.zero_grad(set_to_none=True)
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
                                                       cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
                                                       autocast, cfg.device_batch_tokens)
@@ -310,7 +322,8 @@ def train(cfg, rank, world, device):
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, valid_tokens)
         nonfinite_in_row = check_nonfinite(finite, valid_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
         row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, valid_tokens=valid_tokens,
-                           grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite))
+                           grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
+                           state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)
         eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
         print0(console_line(row, num_steps, last_pass1, eta))
@@ -371,7 +384,7 @@ def main(argv=None):
     try:
         cfg = parse_config(argv, HYPERPARAMETERS, __doc__)
         check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group, model or data
-        rank, world, device = setup_distributed(cfg.device_type)
+        rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
         return train(cfg, rank, world, device)
     except RunError as e:  # anything else is a bug and keeps its traceback
         print(f"chat_rl: error: {e}", file=sys.stderr)

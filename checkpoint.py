@@ -4,7 +4,9 @@ resume exactly, and the decision where a run starts.
 
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
-the optimizer state, the step, every rank's RNG state and the run's config. Data position is the
+the optimizer state, the step, every rank's RNG state and the run's config. Under --fsdp the
+optimizer state is in optimizer/ instead, one file per rank with its shard (fsdp.py); either kind
+resumes with or without --fsdp. Data position is the
 step itself: step s always takes the s-th slice of a per-epoch permutation fixed by the seed, and
 every sampling seed is derived from (seed, step, rank), so nothing else is needed to continue
 bit-identically on CPU.
@@ -20,13 +22,16 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+import fsdp
+from distributed import is_sharded
 from flags import ConfigError, RunError
 from gpt import GPT
 from tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
+# (--fsdp and --activation-checkpointing change where the memory goes, not the step's arithmetic)
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
-              "max_nonfinite", "device_type", "model"}
+              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing"}
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,27 +60,37 @@ def has_run(out_dir):
 
 
 def save(cfg, step, model, tokenizer, optimizer, rank, world):
-    """Every rank calls this (to hand over its RNG state); rank 0 writes."""
+    """Every rank calls this (to hand over its RNG state, and under FSDP its shards); rank 0 writes the rest."""
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     rngs = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
     else:
         rngs = [rng]
+    sharded = is_sharded(model)
+    final = os.path.join(cfg.out_dir, f"step_{step:06d}")
+    tmp = os.path.join(cfg.out_dir, f".tmp-step_{step:06d}")
     if rank == 0:
-        final = os.path.join(cfg.out_dir, f"step_{step:06d}")
-        tmp = os.path.join(cfg.out_dir, f".tmp-step_{step:06d}")
         os.makedirs(cfg.out_dir, exist_ok=True)
         for name in os.listdir(cfg.out_dir):  # leftovers of writes that a crash interrupted
             if name.startswith(".tmp-step_"):
                 shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
-        model.save_pretrained(tmp)
+        os.makedirs(tmp)
+    if sharded:  # every rank: the weights gathered tensor by tensor, and its own shard of the optimizer state
+        dist.barrier()  # the temporary folder exists, and no leftover is being deleted under another rank
+        fsdp.save_weights(model, tmp, rank)
+    saved_optimizer = fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))  # None: in optimizer/
+    if rank == 0:
+        if not sharded:
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rngs, "world_size": world, "config": vars(cfg)}
+        state = {"step": step, "optimizer": saved_optimizer, "rng": rngs, "world_size": world, "config": vars(cfg)}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        for name in os.listdir(tmp):  # make the bytes durable before the rename makes them visible
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
+        for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename makes them visible
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as f:
+                    os.fsync(f.fileno())
+            _fsync_dir(folder)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -125,6 +140,8 @@ def find_resumable(cfg, world):
             json.load(f)
         with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
             list(f.keys())
+        if state["optimizer"] is None and not os.path.exists(os.path.join(path, "optimizer", ".metadata")):
+            raise FileNotFoundError("its optimizer/ folder of per-rank shards (an --fsdp run's) is missing or incomplete")
     except Exception as e:
         raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
                           f"move it away to resume from an earlier one") from None
@@ -139,8 +156,9 @@ def find_resumable(cfg, world):
     return state["step"], state
 
 
-def restore(state, optimizer, rank):
-    optimizer.load_state_dict(state["optimizer"])
+def restore(state, model, optimizer, rank):
+    """The optimizer state and this rank's RNG state of a checkpoint (the weights came with the model)."""
+    fsdp.restore_optimizer(model, optimizer, state["optimizer"], os.path.join(state["model_dir"], "optimizer"))
     rng = state["rng"][rank]
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():

@@ -1,5 +1,5 @@
 """
-The ranks of a run: process-group setup, the two collectives the training loop uses, and the stop
+The ranks of a run: process-group setup, the collectives the training loop uses, and the stop
 flag every rank agrees on. With one process (no torchrun) every function here is a no-op or a
 plain local computation, so chat_rl.py reads the same for 1 CPU and 64 GPUs.
 """
@@ -10,10 +10,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 
-def setup_distributed(device_type):
-    """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU."""
+def setup_distributed(device_type, fsdp=False):
+    """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU. FSDP needs a process
+    group even for one process: it gets a group of one."""
     if not device_type:
         device_type = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
@@ -34,6 +36,9 @@ def setup_distributed(device_type):
         store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world)
+    elif fsdp and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     return rank, world, device
 
 
@@ -49,15 +54,32 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def is_sharded(model):
+    """Whether the model is sharded over the ranks with FSDP (--fsdp; see fsdp.py)."""
+    return isinstance(model, FSDPModule)
+
+
 def sync_gradients(model):
     """Sum gradients over ranks (the loss is already divided by the step's global normaliser, so a sum
-    is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros."""
-    if not dist.is_initialized():
+    is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros.
+    A sharded model has nothing to do here: FSDP reduce-scattered the sums during the backward pass."""
+    if not dist.is_initialized() or is_sharded(model):
         return
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def passes_on_every_rank(model, passes, device):
+    """How many forward/backward passes this rank runs for its `passes` micro-batches. Under FSDP each pass
+    is collective (all-gathers, reduce-scatters), so every rank runs as many as the busiest one; otherwise
+    its own count."""
+    if not is_sharded(model) or not dist.is_initialized():
+        return passes
+    most = torch.tensor(passes, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 class StopFlag:

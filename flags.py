@@ -78,9 +78,10 @@ def _convert(name, value, default):
 def print_help(hyperparameters, doc):
     print(doc.strip().split("\n")[0])
     print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
-    print(f"  {'flag':<24} {'default':<28} {'--preset=demo':<14} meaning")
+    width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
+    print(f"  {'flag':<{width}} {'default':<28} {'--preset=demo':<14} meaning")
     for name, (default, demo, help) in hyperparameters.items():
-        print(f"  --{name.replace('_', '-'):<22} {default!r:<28} {demo!r:<14} {help}")
+        print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {demo!r:<14} {help}")
 
 
 def check_config(cfg, world_size):
@@ -111,6 +112,8 @@ def check_config(cfg, world_size):
         raise ConfigError("--device-type=cuda but no CUDA device is visible")
     if cfg.device_type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("--device-type=mps but MPS is not available on this machine")
+    if cfg.fsdp and cfg.device_type == "mps":
+        raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):

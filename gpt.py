@@ -22,6 +22,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -171,6 +172,7 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.checkpoint_layers = False  # activation checkpointing (--activation-checkpointing): see forward
 
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
@@ -213,7 +215,12 @@ class GPT(nn.Module):
         x = self.model.embed_tokens(idx)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.model.layers:
-            x = block(x, cos, sin, attn_mask, kv_cache)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
+                # one layer's activations alive at a time instead of all of them, for a second forward's cost
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attn_mask, kv_cache, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, attn_mask, kv_cache)
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)
@@ -285,16 +292,21 @@ class GPT(nn.Module):
         # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
         # 022), or the other users of a shared machine could read the config but not the weights
         os.chmod(weights, 0o666 & ~_umask())
-        hf = config_to_hf(self.config)
-        hf["torch_dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
+        write_config(path, self.config, self.model.embed_tokens.weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+def write_config(path, config, dtype):
+    """config.json of a folder whose weights are stored in dtype."""
+    hf = config_to_hf(config)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+
 def safetensors_files(path):
     """The weight files of a folder: the shards its index names, else model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")

@@ -1,0 +1,152 @@
+"""
+Memory of a training micro-batch, with and without --activation-checkpointing.
+
+    python -m tools.bench_memory                # peak of one forward+backward, 12-layer config, on this CPU
+    python -m tools.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 7B shapes
+
+Peak (the default): a 12-layer model (width 768, SwiGLU 2048, 12 heads over 4 KV heads, vocabulary
+32768, tied head: 101M parameters) runs one forward+backward of the per-token NLL that chat_rl's loss
+weights, on 8 rows x 512 tokens, every token a target (the most a micro-batch of that size can cost),
+in fp32 on the CPU. Each variant
+runs in a fresh process, since an allocator that has already grown would hide the difference: build
+the model, allocate its gradients, reset the kernel's high-water mark of the process's resident
+memory (write 5 to /proc/self/clear_refs; Linux), run the pass, read VmHWM from /proc/self/status.
+Printed: the high-water mark above what was resident before the pass (the pass's activations and
+temporaries; weights and gradients excluded), the bytes autograd kept for the backward pass,
+counted exactly with saved_tensors_hooks (unique storages, weights excluded), and the pass's seconds
+(one measurement on a shared CPU: indicative only).
+
+Per token: what autograd keeps for one decoder layer and for the head (final norm, lm_head, the fp32
+cross-entropy) of each shape, per token, from one row of 256 tokens on the CPU with bf16 weights (what
+FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kernel, keeps O(T) per
+row, not the T x T attention matrix, so the count scales with tokens. The README's memory table is
+built from these figures.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from gpt import GPT, GPTConfig
+
+TWELVE_LAYERS = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                     num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
+QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 7B}-Instruct's config.json
+    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
+    "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
+    "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=False),
+}
+
+
+class SavedBytes:
+    """Counts the bytes autograd keeps for the backward pass: unique storages, weights excluded."""
+
+    def __init__(self, model):
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.weights:
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self):
+        return sum(self.storages.values())
+
+
+def resident_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_worker(checkpointing, rows, tokens):
+    """One forward+backward in this (fresh) process; prints a JSON line."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TWELVE_LAYERS)).init_weights(0)
+    model.checkpoint_layers = checkpointing
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # allocated before the measurement: the pass's own memory is what is left
+    idx = torch.randint(0, 32768, (rows, tokens))
+    targets = torch.randint(0, 32768, (rows, tokens))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before, t0 = resident_kb("VmRSS"), time.time()
+    with SavedBytes(model) as saved:
+        loss = model(idx, targets, loss_reduction="none").sum() / targets.numel()
+    loss.backward()
+    print(json.dumps({"checkpointing": checkpointing, "resident_before_mib": before / 1024, "seconds": time.time() - t0,
+                      "pass_peak_mib": (resident_kb("VmHWM") - before) / 1024, "saved_mib": saved.total / 2**20}))
+
+
+def peak(rows, tokens):
+    print(f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, fp32, CPU), one "
+          f"forward+backward of {rows} rows x {tokens} tokens, every token a target, torch {torch.__version__}")
+    print(f"{'activation checkpointing':<26} {'resident before MiB':>20} {'pass peak above it MiB':>23} "
+          f"{'saved for backward MiB':>23} {'pass s':>7}")
+    for checkpointing in (False, True):
+        out = subprocess.run([sys.executable, "-m", "tools.bench_memory", "--worker", str(int(checkpointing)),
+                              f"--rows={rows}", f"--tokens={tokens}"], capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} {r['pass_peak_mib']:>23.0f} "
+              f"{r['saved_mib']:>23.0f} {r['seconds']:>7.1f}")
+
+
+def per_token(tokens=256):
+    """Saved bytes per token of one decoder layer (plain, and checkpointed: its input only) and of the head."""
+    print(f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), torch {torch.__version__}")
+    print(f"{'shape':<6} {'params':>8} {'layer':>9} {'layer, checkpointed':>20} {'head':>10}")
+    for name, shape in QWEN25.items():
+        config = GPTConfig(**{**shape, "num_hidden_layers": 1})
+        with torch.device("meta"):
+            params = GPT(GPTConfig(**shape)).num_params()
+        model = GPT(config).to(torch.bfloat16)  # one layer of the shape: the rest repeats it
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
+        x = model.model.embed_tokens(idx)  # the layer's input (B, T, C), bf16
+        cos, sin = (t.to(x.dtype) for t in model.rope(torch.arange(tokens)[None]))
+        layer = {}
+        for checkpointing in (False, True):
+            with SavedBytes(model) as saved:
+                h = x
+                for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
+                    h = (torch.utils.checkpoint.checkpoint(block, h, cos, sin, None, None, use_reentrant=False)
+                         if checkpointing else block(h, cos, sin, None, None))
+            layer[checkpointing] = saved.total
+        with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
+            hidden = model.model.norm(h.detach().requires_grad_())
+            torch.nn.functional.cross_entropy(model.lm_head(hidden[0]).float(), targets[0])
+        print(f"{name:<6} {params / 1e9:>7.2f}B {layer[False] / tokens:>9.0f} {layer[True] / tokens:>20.0f} "
+              f"{saved.total / tokens:>10.0f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="activation memory with and without activation checkpointing")
+    p.add_argument("--per-token", action="store_true")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker >= 0:
+        peak_worker(bool(args.worker), args.rows, args.tokens)
+    elif args.per_token:
+        per_token()
+    else:
+        peak(args.rows, args.tokens)
