@@ -1,22 +1,27 @@
 """
-Reinforcement learning on verifiable math for a chat model: "GRPO" that is really REINFORCE.
+Reinforcement learning on verifiable math for a chat model: "GRPO" that is really REINFORCE, the
+plain policy gradient: raise the log-probability of completions that scored above their group's
+average, lower it for those below.
 
-One optimizer step, as train() below runs it:
+One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
+per GPU; alone on a laptop there is one rank):
   1. take this step's problems (each rank its own share of examples_per_step);
-  2. sample num_samples completions of each with the KV-cached engine (the group);
-  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 or 0;
+  2. sample num_samples completions of each (the group) with engine.py, which keeps each prompt's
+     attention keys and values (its KV cache) so a token costs one forward over one position;
+  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
+     the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
-     advantage 0 everywhere, carries no gradient, and is dropped before any forward pass;
-  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the step's kept rows);
-  6. gradients summed over ranks, AdamW steps, the learning rate decays linearly to 0;
-  7. every eval_every steps: pass@1..pass@k on held-out problems.
-Steps count from 0: train row `step` s of metrics.jsonl is the (s+1)-th update; an eval or a
-checkpoint at step s sees the weights after s updates.
+     advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
+  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept completions);
+  6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
+  7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
+Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
+"step": 0 is the first update; an eval or a checkpoint at step s sees the weights after s updates.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
-  1. No reference model, no KL penalty: the KL term holds the policy near its start, costs a second
-     model in memory and a second forward, and with a verifier as the reward there is no reward
-     model to over-optimise against.
+  1. No reference model, no KL penalty: the KL term's job is to hold the policy near its start, which
+     costs a second model in memory and a second forward, and with a verifier as the reward there is
+     no reward model to over-optimise against.
   2. No importance ratio, no clipping: every batch is sampled by the very weights being updated and
      used for exactly one step, so the ratio is 1 and the clip never acts; what is left is REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
@@ -47,13 +52,15 @@ import fsdp
 from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
-from metrics import MetricsLog, console_line, step_metrics
-from tasks.common import conversation, get_task, rewards
+from metrics import MetricsLog, check_nonfinite, console_line, step_metrics
+from tasks.common import conversation, get_task, rewards as reward_terms
 
-# ---- hyperparameters ------------------------------------------------------------------------------
-# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and --preset=demo (the
-# offline demo on one CPU); edit the column of the run you launch. Each is also a flag
-# (--num-samples=8 or --num-samples 8), which wins over both columns; `--help` prints the table.
+# ---- hyperparameters -----------------------------------------------------------------------------
+# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and the one
+# --preset=demo takes (the offline demo on one CPU; demo_model/ is the 0.8M-parameter model shipped
+# with the repository, made by tools/make_demo_model.py). Edit the column of the run you launch.
+# Each name is also a flag, with - for _ (--num-samples=8 or --num-samples 8), which wins over
+# both columns; `--help` prints the table.
 HYPERPARAMETERS = dict(
     # name               default                        --preset=demo  meaning
     task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline procedural word problems)"),
@@ -65,7 +72,7 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=  (16,                            16,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           48,            "completion budget; truncated completions score 0"),
+    max_new_tokens=     (768,                           48,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
@@ -95,15 +102,36 @@ HYPERPARAMETERS = dict(
 )
 
 
-# ---- 2-3. rollouts and rewards -----------------------------------------------------------------------
-def rollout(engine, task, rows, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
+# ---- 1. this step's problems, and every seed -----------------------------------------------------
+def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
+    """Step s takes the s-th slice of a permutation of the training problems fixed per epoch, and
+    rank r the r-th part of that slice: the step alone fixes the data, so a resumed run continues it."""
+    epoch, offset = divmod(step, len(train_rows) // examples_per_step)
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch)))
+    per_rank = examples_per_step // world
+    first = offset * examples_per_step + rank * per_rank
+    return [train_rows[i] for i in order[first:first + per_rank].tolist()]
+
+
+def derive_seed(*parts):
+    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g.
+    (run seed, "rollout", step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated
+    streams; bare arithmetic would not (seed * 1000 + epoch is the same for seed 0, epoch 1000 and
+    seed 1, epoch 0). Evals reuse one stream per rank at every step, so successive evals draw the
+    same random numbers and pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+# ---- 2-3. rollouts and rewards -------------------------------------------------------------------
+def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress=""):
     """Sample num_samples completions per problem and score each. Returns a dict of per-completion
-    lists, prompt-major (the samples of rows[0], then of rows[1], ...). Each engine call draws from
-    its own stream, derived from seed and its first problem's index. progress: a label to show a
-    progress bar under (on a terminal only), for the long evals."""
+    lists, prompt-major (the samples of problems[0], then of problems[1], ...). An engine call
+    decodes at most rows_per_call completions side by side (its batch rows) and draws from its own
+    stream, derived from seed and its first problem's index. progress: a label to show a progress
+    bar under (on a terminal only), for the long evals."""
     tokenizer = engine.tokenizer
-    prompts = [tokenizer.render_for_completion(conversation(task, row)) for row in rows]
+    prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[])
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
@@ -118,30 +146,30 @@ def rollout(engine, task, rows, num_samples, max_new_tokens, temperature, top_k,
     for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
         completion_ids = [t for t, m in zip(seq, mask) if m]  # mask 1 = sampled by the policy
         text = tokenizer.decode(completion_ids)
-        terms = rewards(task, text, task.reference(rows[i // num_samples]), format_weight)
+        terms = reward_terms(task, text, task.reference(problems[i // num_samples]), format_weight)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["tokens"].append(len(completion_ids))
         out["completions"].append(text)
-        # the budget ran out before a stop token (a row that stopped ends with one: include_stop)
+        # the budget ran out before a stop token (a completion that stopped ends with one: include_stop)
         out["truncated"].append(not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens)
     return out
 
 
-# ---- 4. advantages -----------------------------------------------------------------------------------
+# ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S samples."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
-    # a group of equal rewards has no signal; its float mean can be off by an ulp (16 x 0.1), so zero it
-    # exactly: that is what lets the loss skip the group
+    # a group of equal rewards has no signal; its float mean can be off by a rounding error (the mean of
+    # 16 x 0.1 is not exactly 0.1), so zero it exactly: that is what lets the loss skip the group
     unanimous = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
     return adv.masked_fill(unanimous, 0.0).view(-1)
 
 
-# ---- 5. loss ---------------------------------------------------------------------------------------
+# ---- 5. loss -------------------------------------------------------------------------------------
 def make_batch(sequences, masks, device):
     """Right-padded (inputs, targets), both (B, T - 1): inputs[t] predicts targets[t] = sequence[t + 1].
     targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient."""
@@ -173,15 +201,15 @@ def micro_batches(lengths, max_rows, max_tokens):
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
                              device, autocast=nullcontext(), device_batch_tokens=math.inf):
     """
-    Accumulate the REINFORCE gradient of this rank's rows into .grad; returns (loss, sampled tokens).
+    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens).
 
         loss = -(sum over sampled tokens of logp(token) * advantage of its completion) / normaliser
 
-    The normaliser is the sampled-token count of the step's kept rows on all ranks (one all-reduce
-    of two scalars), so micro-batching and the number of ranks leave the loss unchanged; the
-    gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP's reduce-scatters
-    during the backward pass). Rows of groups with all-zero advantages
-    are dropped before any forward pass. Every rank joins the same collectives, whatever it kept.
+    The normaliser is the sampled-token count of the step's kept completions on all ranks (one
+    all-reduce of two scalars), so micro-batching and the number of ranks leave the loss unchanged;
+    the gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP during the
+    backward pass). Completions of groups with all-zero advantages are dropped before any forward
+    pass. Every rank joins the same collectives, whatever it kept.
     The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
     log-likelihood, negative whenever the policy already gives its better completions more
     probability than its worse ones; only its gradient matters.
@@ -198,15 +226,16 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         return loss_sum, 0
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
-    # under FSDP each forward/backward is collective, so every rank runs as many passes as the busiest one: the
-    # extra ones over a row added here whose one target is -1 (mask 0), with a loss and gradient of exactly zero
+    # under FSDP each forward/backward is collective, so every rank runs as many passes as the busiest one;
+    # its extra passes are over an empty completion (no sampled token, every target -1): they add exactly 0
+    idle_passes = passes_on_every_rank(model, len(batches), device) - len(batches)
     sequences, masks, advantages = sequences + [[0, 0]], masks + [[0, 0]], torch.cat([advantages, advantages.new_zeros(1)])
-    batches += [[len(sequences) - 1]] * (passes_on_every_rank(model, len(batches), device) - len(batches))
+    batches += [[len(sequences) - 1]] * idle_passes
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         adv = advantages[rows].to(device)
         with autocast:
-            # the model returns per-token NLL = -logp (B, T), 0 where the target is -1
+            # model(inputs, targets, loss_reduction="none") is gpt.py's per-token NLL = -logp (B, T), 0 where target is -1
             logp = -model(inputs, targets, loss_reduction="none")
         per_token = logp * adv[:, None]
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
@@ -217,7 +246,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     return loss_sum, int(totals[0])
 
 
-# ---- 6. step -----------------------------------------------------------------------------------------
+# ---- 6. step -------------------------------------------------------------------------------------
 def optimizer_step(model, optimizer, lr, grad_clip, loss, valid_tokens):
     """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or
     gradient skips the update; so does a step where no row carried gradient (AdamW's momentum
@@ -231,7 +260,7 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, valid_tokens):
     return grad_norm, finite
 
 
-# ---- 7. evaluation ------------------------------------------------------------------------------------
+# ---- 7. evaluation -------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
     if n - c < k:
@@ -240,11 +269,11 @@ def pass_at_k(n, c, k):
 
 
 @torch.no_grad()
-def evaluate(engine, task, rows, k, max_new_tokens, rank, world, device, seed, rows_per_call=256):
+def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, rows_per_call=256):
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's
     best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
     right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
-    mine = rows[rank::world]
+    mine = problems[rank::world]
     sums = torch.zeros(k + 2, device=device)  # pass@1..k and greedy summed over problems, then the problem count
     samples = []
     if mine:
@@ -266,7 +295,7 @@ def evaluate(engine, task, rows, k, max_new_tokens, rank, world, device, seed, r
     return {**metrics, **{f"pass@{j}": round(float(sums[j - 1] / sums[k + 1]), 4) for j in range(1, k + 1)}}, samples
 
 
-# ---- the loop ----------------------------------------------------------------------------------------
+# ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
     """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
@@ -339,35 +368,6 @@ def train(cfg, rank, world, device):
 
 
 # ==== plumbing: what the loop above calls that is not RL ==============================================
-def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
-    """Step s takes the s-th slice of a permutation of the training problems fixed per epoch, and
-    rank r the r-th part of that slice: the step alone fixes the data, so a resumed run continues it."""
-    epoch, offset = divmod(step, len(train_rows) // examples_per_step)
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch)))
-    per_rank = examples_per_step // world
-    first = offset * examples_per_step + rank * per_rank
-    return [train_rows[i] for i in order[first:first + per_rank].tolist()]
-
-
-def derive_seed(*parts):
-    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g.
-    (run seed, "rollout", step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated
-    streams; bare arithmetic would not (seed * 1000 + epoch is the same for seed 0, epoch 1000 and
-    seed 1, epoch 0). Evals reuse one stream per rank at every step (common random numbers), so
-    pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
-
-
-def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):
-    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step)."""
-    if finite:
-        return 0 if valid_tokens > 0 else in_row
-    print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
-    if in_row + 1 >= max_in_row:
-        raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype")
-    return in_row + 1
-
-
 def load_data(task, cfg):
     """(train rows, eval rows), before the model: a missing data set fails in seconds, not after a load."""
     try:

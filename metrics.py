@@ -1,6 +1,7 @@
 """
 What a run reports: each step's metrics reduced over ranks by name, metrics.jsonl / samples.jsonl
-(rank 0, flushed as they go, rewound on resume), optional Weights & Biases, and the console line.
+(rank 0, flushed as they go, rewound on resume), optional Weights & Biases, the console line, and
+the count of non-finite updates that stops a run gone bad.
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import torch
 
 from distributed import all_reduce_sum
+from flags import RunError
 
 # train-row means over every completion of every rank: metric name -> per-row list of rollout()
 MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",
@@ -35,6 +37,16 @@ def console_line(row, num_steps, last_pass1, eta_s):
     return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
             f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
+
+
+def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):
+    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step)."""
+    if finite:
+        return 0 if valid_tokens > 0 else in_row
+    print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
+    if in_row + 1 >= max_in_row:
+        raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype")
+    return in_row + 1
 
 
 def _json_number(v):
