@@ -22,6 +22,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -156,6 +157,28 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def token_nll(h, weight, targets, chunk):
+    """
+    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
+    A long micro-batch with a 152k vocabulary would otherwise hold (N, V) fp32 logits, their log-softmax and
+    their gradient at once: 8192 tokens make 5 GB each. Each chunk is checkpointed, so backward recomputes its
+    logits instead of keeping them: the peak is one chunk's logits plus the head's gradient, whatever N is.
+    """
+    pieces = []
+    for start in range(0, h.size(0), chunk):
+        args = (h[start:start + chunk], weight, targets[start:start + chunk])
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_nll, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_nll(*args))
+    return torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_nll(h, weight, targets):
+    # NLL in fp32 so small log-prob differences survive bf16 autocast
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -191,7 +214,7 @@ class GPT(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache knows each row's
@@ -200,6 +223,7 @@ class GPT(nn.Module):
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
+        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
         B, T = idx.shape
         if kv_cache is None:
@@ -220,11 +244,11 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x)
         # Project only the positions that have a target (completion tokens): prompt and padding positions
-        # would cost a (B, T, V) logit tensor for nothing. NLL in fp32 so small log-prob differences
-        # survive bf16 autocast.
+        # would cost a (B, T, V) logit tensor for nothing.
         valid = targets >= 0
         nll = torch.zeros(B, T, device=x.device)
-        nll[valid] = F.cross_entropy(self.lm_head(x[valid]).float(), targets[valid], reduction="none")
+        chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
+        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk)
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
