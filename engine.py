@@ -8,15 +8,22 @@ each in one batch:
      RoPE positions (a left-padded prompt computes exactly what it computes alone).
   2. share: each prompt's cache row is repeated for its num_samples samples (P -> P*S rows), so a
      prompt is prefilled once however many samples it gets.
-  3. decode: one token per step for all rows, until every row has sampled a stop token or
-     max_tokens tokens.
-Sampling uses the Gumbel-max trick with noise drawn for the whole (rows, vocab) grid from a seeded
-generator: a row's token depends only on its own logits and its own slice of noise, so finished
-rows (which keep decoding, their tokens discarded) can never change other rows' results, and the
-same seed gives the same samples.
+  3. decode: one token per step for all live rows, until every row has sampled a stop token or
+     max_tokens tokens. Rows that have stopped keep decoding (their tokens are discarded) until
+     enough of them have stopped to be worth a compaction: then the batch and its KV cache keep
+     only the live rows, so finished rows stop costing compute.
+Sampling is by inverse CDF: every row draws one uniform number per step, all of them drawn up
+front from a seeded generator as a (rows, max_tokens) table, and the token is where that number
+falls in the row's cumulative probabilities. A row's token depends only on its own logits and its
+own uniform u[row, step], so neither finished rows, compaction, nor the other rows can change it,
+and the same seed gives the same samples. Cost: one softmax pass over the vocabulary, not one
+random number per (row, vocab) entry as the Gumbel-max trick needs.
 """
 
 import torch
+
+BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
+ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time (8 MB in fp32)
 
 
 class KVCache:
@@ -24,26 +31,45 @@ class KVCache:
 
     Rows are left-padded: row b's real tokens start at cache slot pad[b]. Position ids for RoPE are
     slot - pad[b], and the attention mask hides slots < pad[b].
+    cos, sin: (max_len, head_dim) RoPE tables of positions 0..max_len-1, computed once per batch.
     """
 
-    def __init__(self, num_layers, pad, max_len):
+    def __init__(self, num_layers, pad, max_len, cos, sin):
         self.pad = pad  # (B,) long: left padding of each row
         self.max_len = max_len
         self.pos = 0  # next slot to write, the same for every row
         self.k = [None] * num_layers
         self.v = [None] * num_layers
+        self.cos, self.sin = cos, sin
+        self._build_decode_mask()
 
-    def positions_and_mask(self, T):
-        """RoPE positions (B, T) and boolean attention mask (B, 1, T, pos + T) for T new tokens."""
+    def _build_decode_mask(self):
+        # (B, 1, 1, max_len) additive: -inf on each row's padding. Built once per batch layout (start,
+        # repeat_rows, keep_rows); a decode step only slices it to the slots written so far.
+        slots = torch.arange(self.max_len, device=self.pad.device)
+        padding = slots[None, :] < self.pad[:, None]
+        self.decode_mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))[:, None, None]
+
+    def rope_and_mask(self, T):
+        """
+        RoPE cos, sin (B, 1, T, head_dim) of the T new tokens and their attention mask:
+        T == 1 (decode): additive float (B, 1, 1, pos + 1), a view of decode_mask;
+        T > 1 (prefill): boolean (B, 1, T, pos + T), True = may attend.
+        """
+        B = self.pad.size(0)
+        if T == 1:
+            positions = self.pos - self.pad  # (B,)
+            cos, sin = self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1)
+            return cos, sin, self.decode_mask[..., :self.pos + 1]
         device = self.pad.device
         q_slot = self.pos + torch.arange(T, device=device)         # slots of the new tokens
         k_slot = torch.arange(self.pos + T, device=device)         # slots they may look at
-        positions = (q_slot[None, :] - self.pad[:, None]).clamp(min=0)
+        positions = (q_slot[None, :] - self.pad[:, None]).clamp(min=0)  # (B, T)
         causal = k_slot[None, None, :] <= q_slot[None, :, None]    # (1, T, S)
         real = k_slot[None, None, :] >= self.pad[:, None, None]    # (B, 1, S): not padding
         # a padding query sees only itself: its output is garbage nobody reads, but never NaN
         itself = k_slot[None, None, :] == q_slot[None, :, None]
-        return positions, (causal & (real | itself))[:, None]
+        return self.cos[positions][:, None], self.sin[positions][:, None], (causal & (real | itself))[:, None]
 
     def update(self, layer, k, v):
         """Write k, v (B, H, T, D) at the current position; return all keys/values so far."""
@@ -65,25 +91,101 @@ class KVCache:
         self.pad = self.pad.repeat_interleave(n)
         self.k = [t.repeat_interleave(n, dim=0) for t in self.k]
         self.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+        self._build_decode_mask()
+
+    def keep_rows(self, rows):
+        """Keep only rows (long tensor of row indices, in order): finished rows leave the batch."""
+        self.pad = self.pad[rows]
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self._build_decode_mask()
 
 
-def sample_next_token(logits, generator, temperature=1.0, top_k=None):
-    """logits (B, V) -> token ids (B,). temperature 0 = greedy."""
+def sample_next_token(logits, u, temperature=1.0, top_k=None):
+    """
+    logits (B, V), u (B,) uniform numbers in [0, 1) -> token ids (B,), row b drawn from
+    softmax(logits[b] / temperature) restricted to its top_k entries (all entries tied with the
+    k-th largest are kept). temperature 0 = greedy argmax, u unused.
+    Rows go through in chunks of at most ROWS_X_VOCAB entries: each chunk's temporaries stay in cache
+    and in the allocator's free lists (on CPU a fresh 150 MB tensor per step, 256 rows of a 152k
+    vocabulary, costs more in page faults than the softmax itself).
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits), row by row
-    noise = torch.empty_like(logits).exponential_(generator=generator)
-    return (logits - noise.log()).argmax(dim=-1)
+    rows = max(1, ROWS_X_VOCAB // logits.size(-1))
+    if logits.size(0) <= rows:
+        return _sample_rows(logits, u, temperature, top_k)
+    return torch.cat([_sample_rows(logits[i:i + rows], u[i:i + rows], temperature, top_k)
+                      for i in range(0, logits.size(0), rows)])
+
+
+def _sample_rows(logits, u, temperature, top_k):
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (B, 1)
+        logits = torch.where(logits >= kth, logits, float("-inf"))  # every entry tied with the k-th stays in
+    return sample_from_probs(torch.softmax(logits, dim=-1), u)
+
+
+def sample_from_probs(probs, u):
+    """
+    Inverse CDF, two levels: probs (B, V) >= 0, each row with a positive sum (need not be 1), u (B,)
+    in [0, 1) -> for each row the first token whose cumulative probability exceeds u * total.
+    A full-row cumsum would be a second slow serial pass over the vocabulary; instead sum blocks of
+    BLOCK tokens (one vectorized pass), pick the block on the (B, V / BLOCK) running sums, and run the
+    cumsum only inside that block (B, BLOCK).
+    A token of probability 0 (cut by top-k) is never returned: searchsorted(right=True) finds the
+    first running sum strictly above the target, and a zero entry does not raise the running sum;
+    where rounding puts the target at or past the last running sum, the index is clamped to the last
+    entry that raised it (a positive one).
+    """
+    B, V = probs.shape
+    n_full = V // BLOCK
+    block_sums = probs[:, :n_full * BLOCK].view(B, n_full, BLOCK).sum(dim=-1)  # (B, n_full)
+    if n_full * BLOCK < V:  # the last, partial block
+        block_sums = torch.cat([block_sums, probs[:, n_full * BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    running = block_sums.cumsum(dim=-1)                                      # (B, n_blocks)
+    target = u[:, None].to(running.dtype) * running[:, -1:]                 # (B, 1)
+    block = first_above(running, target)                                     # (B, 1)
+    before = torch.where(block > 0, running.gather(1, (block - 1).clamp(min=0)), 0.0)
+    # the chosen block's entries; slots past V (only in a partial last block) weigh nothing
+    token_ids = block * BLOCK + torch.arange(BLOCK, device=probs.device)     # (B, BLOCK)
+    inside = probs.gather(1, token_ids.clamp(max=V - 1)).masked_fill_(token_ids >= V, 0.0)
+    # target >= before exactly (searchsorted's promise), so target - before >= 0: a zero entry at the
+    # start of the block cannot be picked
+    return token_ids.gather(1, first_above(inside.cumsum(dim=-1), target - before))[:, 0]
+
+
+def first_above(running, target):
+    """Index (B, 1) of the first entry of running (B, n), nondecreasing, strictly above target (B, 1),
+    clamped to the first entry equal to the row's last (the last one that raised the running sum)."""
+    last_raise = torch.searchsorted(running, running[:, -1:].contiguous())
+    return torch.minimum(torch.searchsorted(running, target.contiguous(), right=True), last_raise)
+
+
+def decode_step(model, token, cache):
+    """token (B,) -> next-token logits (B, V): one token per row through the model, its keys/values cached."""
+    return model(token[:, None], kv_cache=cache)[:, -1]
 
 
 class Engine:
-    def __init__(self, model, tokenizer):
+    """
+    model, tokenizer: the policy and its tokenizer (stop_tokens, vocab_size).
+    compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
+        its rows has finished; 0 = as soon as one has, None = never. A compaction copies the live rows'
+        KV cache, about the memory traffic of one decode step's attention; shrinking the batch by 1/8
+        saves 1/8 of every later step, so it pays for itself within a few steps.
+    compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
+        dominate). Off by default: not yet shown on a GPU to give the same samples faster.
+    """
+
+    def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False):
         self.model = model
         self.tokenizer = tokenizer
+        self.compact_at = compact_at
+        self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
 
     @torch.inference_mode()
     def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
@@ -96,7 +198,6 @@ class Engine:
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        generator = torch.Generator(device=device).manual_seed(seed)
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "every prompt needs at least one token"
         T = max(lengths)
@@ -104,32 +205,45 @@ class Engine:
         for i, p in enumerate(prompts):
             ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_len=T + max_tokens)
+        cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
+        cache = KVCache(model.config.num_hidden_layers, pad, T + max_tokens, cos[0, 0], sin[0, 0])
 
         logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
         cache.repeat_rows(num_samples)                                # share it across samples
         logits = logits.repeat_interleave(num_samples, dim=0)
         B = logits.size(0)
         vocab = self.tokenizer.vocab_size
-        out = torch.zeros(B, max_tokens, dtype=torch.long, device=device)
+        # every random number of the call, drawn now: u[t, b] is row b's at step t, whatever else happens
+        # (its column moves with the row when the batch is compacted)
+        u = torch.rand(B, max_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
+        out = torch.zeros(max_tokens, B, dtype=torch.long, device=device)  # out[t, b]: row b's token at step t
+        rows = torch.arange(B, device=device)  # original index of each row still in the batch
+        # steps before each row's first stop token = its completion length; max_tokens until it stops
         n_generated = torch.full((B,), max_tokens, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
+        live_n = n_generated.clone()  # the same, for the rows in the batch, in batch order
         for t in range(max_tokens):
             # a model's embedding table may be padded past the tokenizer's vocabulary: those rows are not tokens
-            token = sample_next_token(logits[:, :vocab], generator, temperature, top_k)
-            out[:, t] = token
-            just_stopped = ~done & torch.isin(token, stop)
-            n_generated[just_stopped] = t
-            done |= just_stopped
-            if t == max_tokens - 1 or bool(done.all()):
+            n = rows.size(0)
+            token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
+            out[t].index_copy_(0, rows, token)
+            live_n = torch.minimum(live_n, torch.where(torch.isin(token, stop), t, max_tokens))
+            n_done = int((live_n < max_tokens).sum())  # the step's one host sync
+            if n_done == n or t == max_tokens - 1:
                 break
-            logits = model(token[:, None], kv_cache=cache)[:, -1]
+            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
+                n_generated.index_copy_(0, rows, live_n)  # finished rows leave: record their lengths first
+                keep = torch.nonzero_static(live_n == max_tokens, size=n - n_done)[:, 0]
+                rows, live_n, token, u = rows[keep], live_n[keep], token[keep], u[:, keep]
+                cache.keep_rows(keep)
+            logits = self.decode_step(model, token, cache)
+        n_generated.index_copy_(0, rows, live_n)
 
-        out, n_generated, done = out.tolist(), n_generated.tolist(), done.tolist()
+        out, n_generated = out.T.tolist(), n_generated.tolist()
         sequences, masks = [], []
         for row in range(B):
             prompt = prompts[row // num_samples]
-            completion = out[row][:n_generated[row] + (include_stop and done[row])]
+            stopped = n_generated[row] < max_tokens  # else it ran out of tokens
+            completion = out[row][:n_generated[row] + (include_stop and stopped)]
             sequences.append(list(prompt) + completion)
             masks.append([0] * len(prompt) + [1] * len(completion))
         return sequences, masks

@@ -60,11 +60,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in fp32 (as the reference implementations do), scale in the input dtype
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalize in fp32 (as the reference implementations do), scale in the input dtype;
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel instead of five small ones
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config):
@@ -89,10 +87,28 @@ def rope_inv_freq(config):
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos/sin: (B, 1, T, D). "rotate half" layout, as in the HF checkpoints
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D). "rotate half" layout, as in the HF checkpoints
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)  # x * cos + rotated * sin, one kernel fewer
+
+
+def decode_attention(q, k, v, mask):
+    """
+    Attention of one new token per row over its cached keys: q (B, H, 1, D), k and v (B, Hkv, S, D),
+    mask (B, 1, 1, S) additive (0 = attend, -inf = left padding) -> (B, H, 1, D).
+    GQA without copies: the g = H / Hkv query heads that share a kv head are g rows of one small matmul,
+    q (B, Hkv, g, D) @ k^T (B, Hkv, D, S); the mask broadcasts over heads instead of being repeated.
+    Two matmuls and a softmax rather than SDPA: with one query per row, the CPU SDPA kernel took about
+    twice as long as this (tools/bench_rollout.py), and decode attention is read-bound on k and v anyway.
+    """
+    B, H, _, D = q.shape
+    Hkv = k.size(1)
+    q = q.view(B, Hkv, H // Hkv, D) * D ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, Hkv, g, S), fp32 softmax under autocast
+    scores += mask
+    y = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # (B, Hkv, g, D)
+    return y.view(B, H, 1, D)
 
 
 class Attention(nn.Module):
@@ -120,9 +136,12 @@ class Attention(nn.Module):
         # RoPE runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote); under autocast bring q and k
         # back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        if attn_mask is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
+        if kv_cache is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        else:  # sampling with the KV cache and a padding mask
+        elif T == 1:  # decoding: one token per row, attn_mask (B, 1, 1, S) additive
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
+            y = decode_attention(q, k, v, attn_mask)
+        else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, S), once per prompt
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_past + T, D)
             # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
             # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
@@ -217,8 +236,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
-        With a cache (see engine.KVCache), rows may be left-padded: the cache knows each row's
-        pad count, so positions and the attention mask skip the padding; only the last position's
+        With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
+        RoPE cos/sin and the attention mask that skips its padding; only the last position's
         logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
@@ -226,13 +245,12 @@ class GPT(nn.Module):
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
         B, T = idx.shape
+        x = self.model.embed_tokens(idx)
         if kv_cache is None:
-            positions = torch.arange(T, device=idx.device).expand(B, T)
+            cos, sin = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
-            positions, attn_mask = kv_cache.positions_and_mask(T)
-        cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(idx)
+            cos, sin, attn_mask = kv_cache.rope_and_mask(T)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin, attn_mask, kv_cache)
