@@ -27,78 +27,112 @@ ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries a
 
 
 class KVCache:
-    """Keys and values of every layer for B rows that share one write position.
-
-    Rows are left-padded: row b's real tokens start at cache slot pad[b]. Position ids for RoPE are
-    slot - pad[b], and the attention mask hides slots < pad[b].
-    cos, sin: (max_len, head_dim) RoPE tables of positions 0..max_len-1, computed once per batch.
+    """
+    Keys and values of every layer, in two parts:
+      prompt part (P, Hkv, T, D): written once by the prefill, one row per prompt, shared by all its samples;
+      own part (B, Hkv, max_new, D): one row per sample (prompt-major, B = P * S), one slot per decode step.
+    Prompts are left-padded to T: prompt p's tokens start at slot pad[p]; RoPE positions are slot - pad[p]
+    and masks hide slots < pad[p]. cos, sin: (max_len, head_dim) RoPE tables of positions 0..max_len-1.
+    Why two parts: a prompt's keys are the same for its S samples, so they are stored and read once, and a
+    decode step attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
+    instead of S matmuls of one row each, which on a CPU run far below the memory's speed.
     """
 
-    def __init__(self, num_layers, pad, max_len, cos, sin):
-        self.pad = pad  # (B,) long: left padding of each row
-        self.max_len = max_len
-        self.pos = 0  # next slot to write, the same for every row
-        self.k = [None] * num_layers
-        self.v = [None] * num_layers
+    def __init__(self, num_layers, pad, max_new, cos, sin):
+        self.pad = pad  # (P,) long
+        self.max_new = max_new
+        self.pos = 0  # next slot to write, the same for every row: T + tokens generated so far
+        self.prompt_k, self.prompt_v = [None] * num_layers, [None] * num_layers
+        self.k, self.v = [None] * num_layers, [None] * num_layers
         self.cos, self.sin = cos, sin
-        self._build_decode_mask()
 
-    def _build_decode_mask(self):
-        # (B, 1, 1, max_len) additive: -inf on each row's padding. Built once per batch layout (start,
-        # repeat_rows, keep_rows); a decode step only slices it to the slots written so far.
-        slots = torch.arange(self.max_len, device=self.pad.device)
-        padding = slots[None, :] < self.pad[:, None]
-        self.decode_mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))[:, None, None]
+    def share(self, num_samples):
+        """After the prefill: row r = sample r % S of prompt r // S (prompt-major), B = P * S rows."""
+        self.samples = num_samples
+        self.rows = None  # original index of each row (p * S + s), None = all B rows in order
+        self.row_pad = self.pad.repeat_interleave(num_samples)  # (B,)
+        self._build_prompt_mask()
+
+    def keep_rows(self, keep):
+        """Keep only rows keep (long tensor of indices into the current rows, in order): finished rows leave."""
+        rows = torch.arange(self.row_pad.size(0), device=keep.device) if self.rows is None else self.rows
+        self.rows, self.row_pad = rows[keep], self.row_pad[keep]
+        self.k = [t.index_select(0, keep) for t in self.k]
+        self.v = [t.index_select(0, keep) for t in self.v]
+        self._build_prompt_mask()
+
+    def _build_prompt_mask(self):
+        # (B, 1, 1, T) additive: -inf on each row's prompt padding. Built once per batch layout.
+        T = self.prompt_k[0].size(2)
+        padding = torch.arange(T, device=self.pad.device)[None, :] < self.row_pad[:, None]
+        self.prompt_mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))[:, None, None]
 
     def rope_and_mask(self, T):
         """
-        RoPE cos, sin (B, 1, T, head_dim) of the T new tokens and their attention mask:
-        T == 1 (decode): additive float (B, 1, 1, pos + 1), a view of decode_mask;
-        T > 1 (prefill): boolean (B, 1, T, pos + T), True = may attend.
+        RoPE cos, sin (rows, 1, T, head_dim) of the T new tokens, and the mask the model's attention needs:
+        prefill (T tokens per prompt): boolean (P, 1, T, T), True = may attend;
+        decode (one token per row): None, KVCache.attend masks the prompt padding itself.
         """
-        B = self.pad.size(0)
-        if T == 1:
-            positions = self.pos - self.pad  # (B,)
-            cos, sin = self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1)
-            return cos, sin, self.decode_mask[..., :self.pos + 1]
-        device = self.pad.device
-        q_slot = self.pos + torch.arange(T, device=device)         # slots of the new tokens
-        k_slot = torch.arange(self.pos + T, device=device)         # slots they may look at
-        positions = (q_slot[None, :] - self.pad[:, None]).clamp(min=0)  # (B, T)
-        causal = k_slot[None, None, :] <= q_slot[None, :, None]    # (1, T, S)
-        real = k_slot[None, None, :] >= self.pad[:, None, None]    # (B, 1, S): not padding
+        if self.pos > 0:
+            assert T == 1, "after the prefill the cache takes one token per row at a time"
+            positions = self.pos - self.row_pad  # (B,)
+            B = positions.size(0)
+            return self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1), None
+        slot = torch.arange(T, device=self.pad.device)
+        positions = (slot[None, :] - self.pad[:, None]).clamp(min=0)  # (P, T)
+        causal = slot[None, None, :] <= slot[None, :, None]           # (1, T, T)
+        real = slot[None, None, :] >= self.pad[:, None, None]         # (P, 1, T): not padding
         # a padding query sees only itself: its output is garbage nobody reads, but never NaN
-        itself = k_slot[None, None, :] == q_slot[None, :, None]
+        itself = slot[None, None, :] == slot[None, :, None]
         return self.cos[positions][:, None], self.sin[positions][:, None], (causal & (real | itself))[:, None]
 
     def update(self, layer, k, v):
-        """Write k, v (B, H, T, D) at the current position; return all keys/values so far."""
-        B, H, T, D = k.shape
-        if self.k[layer] is None:  # allocate lazily: dtype follows autocast
-            self.k[layer] = torch.zeros(B, H, self.max_len, D, dtype=k.dtype, device=k.device)
-            self.v[layer] = torch.zeros(B, H, self.max_len, D, dtype=v.dtype, device=v.device)
-        end = self.pos + T
-        assert end <= self.max_len, f"KV cache overflow: {end} > {self.max_len}"
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
+        assert self.pos == 0, "update() is the prefill's; decode steps go through attend()"
+        self.prompt_k[layer], self.prompt_v[layer] = k.contiguous(), v.contiguous()
+        return self.prompt_k[layer], self.prompt_v[layer]
 
     def advance(self, T):
         self.pos += T
 
-    def repeat_rows(self, n):
-        """Row b becomes rows b*n .. b*n+n-1 (prompt-major), e.g. to share a prefill across samples."""
-        self.pad = self.pad.repeat_interleave(n)
-        self.k = [t.repeat_interleave(n, dim=0) for t in self.k]
-        self.v = [t.repeat_interleave(n, dim=0) for t in self.v]
-        self._build_decode_mask()
+    def attend(self, layer, q, k, v):
+        """
+        Decode step: q (B, H, 1, D), k and v (B, Hkv, 1, D) of each row's new token -> attention output (B, H, 1, D).
+        k, v go into this step's slot of the own part; each row then attends to its prompt's keys and its own.
+        GQA without copies: the g = H / Hkv query heads sharing a kv head are g rows of the same matmul.
+        """
+        B, H, _, D = q.shape
+        Hkv = k.size(1)
+        t = self.pos - self.prompt_k[layer].size(2)  # own-part slot of this step
+        if self.k[layer] is None:  # allocated at the first decode step: dtype follows autocast
+            self.k[layer] = k.new_zeros(B, Hkv, self.max_new, D)
+            self.v[layer] = v.new_zeros(B, Hkv, self.max_new, D)
+        self.k[layer][:, :, t] = k[:, :, 0]
+        self.v[layer][:, :, t] = v[:, :, 0]
+        own_k, own_v = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1]   # (B, Hkv, t + 1, D)
+        q = q.reshape(B, Hkv, H // Hkv, D) * D ** -0.5
+        prompt_scores = self._per_prompt(q, self.prompt_k[layer].transpose(-1, -2))  # (B, Hkv, g, T)
+        own_scores = torch.matmul(q, own_k.transpose(-1, -2))                         # (B, Hkv, g, t + 1)
+        # one softmax over prompt and own keys, in fp32 under autocast
+        probs = torch.cat([(prompt_scores.float() + self.prompt_mask), own_scores.float()], dim=-1).softmax(dim=-1)
+        prompt_probs, own_probs = probs.to(v.dtype).split([prompt_scores.size(-1), t + 1], dim=-1)
+        y = self._per_prompt(prompt_probs, self.prompt_v[layer]) + torch.matmul(own_probs, own_v)  # (B, Hkv, g, D)
+        return y.reshape(B, H, 1, D)
 
-    def keep_rows(self, rows):
-        """Keep only rows (long tensor of row indices, in order): finished rows leave the batch."""
-        self.pad = self.pad[rows]
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
-        self._build_decode_mask()
+    def _per_prompt(self, x, m):
+        """
+        Row-wise x (B, Hkv, g, X) @ m (P, Hkv, X, Y) of the row's prompt -> (B, Hkv, g, Y), as one matmul per
+        prompt: its rows' x are stacked into the matmul's rows. Rows sit in a (P, S) grid by their original
+        index; after compaction the grid has holes (zero rows, computed and dropped).
+        """
+        B, Hkv, g, X = x.shape
+        P, S = m.size(0), self.samples
+        if self.rows is not None:
+            x = x.new_zeros(P * S, Hkv, g, X).index_copy_(0, self.rows, x)
+        x = x.view(P, S, Hkv, g, X).transpose(1, 2).reshape(P, Hkv, S * g, X)
+        y = torch.matmul(x, m)  # (P, Hkv, S * g, Y)
+        y = y.view(P, Hkv, S, g, -1).transpose(1, 2).reshape(P * S, Hkv, g, -1)
+        return y if self.rows is None else y.index_select(0, self.rows)
 
 
 def sample_next_token(logits, u, temperature=1.0, top_k=None):
@@ -123,10 +157,17 @@ def _sample_rows(logits, u, temperature, top_k):
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    if top_k and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (B, 1)
-        logits = torch.where(logits >= kth, logits, float("-inf"))  # every entry tied with the k-th stays in
-    return sample_from_probs(torch.softmax(logits, dim=-1), u)
+    if not top_k or top_k >= logits.size(-1):
+        return sample_from_probs(torch.softmax(logits, dim=-1), u)
+    # the k + 1 largest, in descending order: the first k are the candidates, unless the (k+1)-th ties the
+    # k-th (then more than k entries are >= the k-th, and all of them stay in)
+    values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
+    kth = values[:, top_k - 1:top_k]
+    if logits.is_cuda or bool((values[:, top_k:] == kth).any()):
+        # a tie at the k-th (or a GPU: there this check would be a host sync, and the full row costs little)
+        return sample_from_probs(torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u)
+    # no tie: sample among the k candidates only, no pass over the whole vocabulary
+    return ids.gather(1, sample_from_probs(torch.softmax(values[:, :top_k], dim=-1), u)[:, None])[:, 0]
 
 
 def sample_from_probs(probs, u):
@@ -206,10 +247,10 @@ class Engine:
             ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
         cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
-        cache = KVCache(model.config.num_hidden_layers, pad, T + max_tokens, cos[0, 0], sin[0, 0])
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0])
 
         logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
-        cache.repeat_rows(num_samples)                                # share it across samples
+        cache.share(num_samples)                                      # its keys serve all its samples
         logits = logits.repeat_interleave(num_samples, dim=0)
         B = logits.size(0)
         vocab = self.tokenizer.vocab_size

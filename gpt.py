@@ -93,24 +93,6 @@ def apply_rope(x, cos, sin):
     return torch.addcmul(x * cos, rotated, sin)  # x * cos + rotated * sin, one kernel fewer
 
 
-def decode_attention(q, k, v, mask):
-    """
-    Attention of one new token per row over its cached keys: q (B, H, 1, D), k and v (B, Hkv, S, D),
-    mask (B, 1, 1, S) additive (0 = attend, -inf = left padding) -> (B, H, 1, D).
-    GQA without copies: the g = H / Hkv query heads that share a kv head are g rows of one small matmul,
-    q (B, Hkv, g, D) @ k^T (B, Hkv, D, S); the mask broadcasts over heads instead of being repeated.
-    Two matmuls and a softmax rather than SDPA: with one query per row, the CPU SDPA kernel took about
-    twice as long as this (tools/bench_rollout.py), and decode attention is read-bound on k and v anyway.
-    """
-    B, H, _, D = q.shape
-    Hkv = k.size(1)
-    q = q.view(B, Hkv, H // Hkv, D) * D ** -0.5
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, Hkv, g, S), fp32 softmax under autocast
-    scores += mask
-    y = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # (B, Hkv, g, D)
-    return y.view(B, H, 1, D)
-
-
 class Attention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -138,11 +120,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if kv_cache is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif T == 1:  # decoding: one token per row, attn_mask (B, 1, 1, S) additive
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
-            y = decode_attention(q, k, v, attn_mask)
-        else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, S), once per prompt
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_past + T, D)
+        elif attn_mask is None:  # decoding, one token per row: the cache knows where its keys are (engine.KVCache.attend)
+            y = kv_cache.attend(self.layer_idx, q, k, v)
+        else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
             # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
             # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
             g = self.n_head // self.n_kv_head
@@ -237,8 +218,9 @@ class GPT(nn.Module):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
-        RoPE cos/sin and the attention mask that skips its padding; only the last position's
-        logits (B, 1, V) are returned, all the sampler needs.
+        RoPE cos/sin and, for the prefill, the mask that skips its padding; a decode step (one token
+        per row) attends through the cache, which knows where the row's keys are. Only the last
+        position's logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
