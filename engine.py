@@ -36,22 +36,28 @@ class KVCache:
     Why two parts: a prompt's keys are the same for its S samples, so they are stored and read once, and a
     decode step attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
     instead of S matmuls of one row each, which on a CPU run far below the memory's speed.
+    static: decode steps of one fixed shape that read no Python number (for torch.compile / CUDA graphs): the
+    step's slot is a tensor, and every step attends over all max_new own slots, the unwritten ones masked.
     """
 
-    def __init__(self, num_layers, pad, max_new, cos, sin):
+    def __init__(self, num_layers, pad, max_new, cos, sin, static=False):
         self.pad = pad  # (P,) long
         self.max_new = max_new
         self.pos = 0  # next slot to write, the same for every row: T + tokens generated so far
         self.prompt_k, self.prompt_v = [None] * num_layers, [None] * num_layers
-        self.k, self.v = [None] * num_layers, [None] * num_layers
         self.cos, self.sin = cos, sin
+        self.static, self.decoding = static, False
 
     def share(self, num_samples):
         """After the prefill: row r = sample r % S of prompt r // S (prompt-major), B = P * S rows."""
-        self.samples = num_samples
+        self.samples, self.decoding = num_samples, True
         self.rows = None  # original index of each row (p * S + s), None = all B rows in order
         self.row_pad = self.pad.repeat_interleave(num_samples)  # (B,)
         self._build_prompt_mask()
+        B = self.row_pad.size(0)  # the own part, in the prompt part's dtype (autocast's)
+        self.k = [k.new_zeros(B, k.size(1), self.max_new, k.size(3)) for k in self.prompt_k]
+        self.v = [v.new_zeros(B, v.size(1), self.max_new, v.size(3)) for v in self.prompt_v]
+        self.step = torch.zeros(1, dtype=torch.long, device=self.pad.device)  # own slot of the next token (static)
 
     def keep_rows(self, keep):
         """Keep only rows keep (long tensor of indices into the current rows, in order): finished rows leave."""
@@ -73,9 +79,9 @@ class KVCache:
         prefill (T tokens per prompt): boolean (P, 1, T, T), True = may attend;
         decode (one token per row): None, KVCache.attend masks the prompt padding itself.
         """
-        if self.pos > 0:
+        if self.decoding:
             assert T == 1, "after the prefill the cache takes one token per row at a time"
-            positions = self.pos - self.row_pad  # (B,)
+            positions = (self.step + self.prompt_k[0].size(2) if self.static else self.pos) - self.row_pad  # (B,)
             B = positions.size(0)
             return self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1), None
         slot = torch.arange(T, device=self.pad.device)
@@ -93,7 +99,10 @@ class KVCache:
         return self.prompt_k[layer], self.prompt_v[layer]
 
     def advance(self, T):
-        self.pos += T
+        if self.static and self.decoding:
+            self.step += T  # in place: compiled steps see no Python number change
+        else:
+            self.pos += T
 
     def attend(self, layer, q, k, v):
         """
@@ -103,19 +112,22 @@ class KVCache:
         """
         B, H, _, D = q.shape
         Hkv = k.size(1)
-        t = self.pos - self.prompt_k[layer].size(2)  # own-part slot of this step
-        if self.k[layer] is None:  # allocated at the first decode step: dtype follows autocast
-            self.k[layer] = k.new_zeros(B, Hkv, self.max_new, D)
-            self.v[layer] = v.new_zeros(B, Hkv, self.max_new, D)
-        self.k[layer][:, :, t] = k[:, :, 0]
-        self.v[layer][:, :, t] = v[:, :, 0]
-        own_k, own_v = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1]   # (B, Hkv, t + 1, D)
+        if self.static:  # write at the slot held in a tensor, attend over all slots, the unwritten ones masked
+            self.k[layer].index_copy_(2, self.step, k)
+            self.v[layer].index_copy_(2, self.step, v)
+            own_k, own_v = self.k[layer], self.v[layer]
+            own_mask = torch.where(torch.arange(self.max_new, device=q.device) <= self.step, 0.0, float("-inf"))
+        else:
+            t = self.pos - self.prompt_k[layer].size(2)  # own slot of this step
+            self.k[layer][:, :, t] = k[:, :, 0]
+            self.v[layer][:, :, t] = v[:, :, 0]
+            own_k, own_v, own_mask = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1], 0.0  # (B, Hkv, t + 1, D)
         q = q.reshape(B, Hkv, H // Hkv, D) * D ** -0.5
         prompt_scores = self._per_prompt(q, self.prompt_k[layer].transpose(-1, -2))  # (B, Hkv, g, T)
-        own_scores = torch.matmul(q, own_k.transpose(-1, -2))                         # (B, Hkv, g, t + 1)
+        own_scores = torch.matmul(q, own_k.transpose(-1, -2))                         # (B, Hkv, g, own slots)
         # one softmax over prompt and own keys, in fp32 under autocast
-        probs = torch.cat([(prompt_scores.float() + self.prompt_mask), own_scores.float()], dim=-1).softmax(dim=-1)
-        prompt_probs, own_probs = probs.to(v.dtype).split([prompt_scores.size(-1), t + 1], dim=-1)
+        probs = torch.cat([prompt_scores.float() + self.prompt_mask, own_scores.float() + own_mask], dim=-1).softmax(dim=-1)
+        prompt_probs, own_probs = probs.to(v.dtype).split([prompt_scores.size(-1), own_k.size(2)], dim=-1)
         y = self._per_prompt(prompt_probs, self.prompt_v[layer]) + torch.matmul(own_probs, own_v)  # (B, Hkv, g, D)
         return y.reshape(B, H, 1, D)
 
@@ -219,13 +231,15 @@ class Engine:
         KV cache, about the memory traffic of one decode step's attention; shrinking the batch by 1/8
         saves 1/8 of every later step, so it pays for itself within a few steps.
     compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
-        dominate). Off by default: not yet shown on a GPU to give the same samples faster.
+        dominate), on a KV cache whose steps all have the same shapes (KVCache static). Off by default:
+        not yet shown on a GPU to give the same samples faster; on a CPU the compile takes minutes.
     """
 
     def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False):
         self.model = model
         self.tokenizer = tokenizer
         self.compact_at = compact_at
+        self.compile_decode = compile_decode
         self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
 
     @torch.inference_mode()
@@ -247,7 +261,7 @@ class Engine:
             ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
         cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0])
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
 
         logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
         cache.share(num_samples)                                      # its keys serve all its samples
