@@ -22,7 +22,6 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -160,23 +159,54 @@ class Block(nn.Module):
 def token_nll(h, weight, targets, chunk):
     """
     Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
-    A long micro-batch with a 152k vocabulary would otherwise hold (N, V) fp32 logits, their log-softmax and
-    their gradient at once: 8192 tokens make 5 GB each. Each chunk is checkpointed, so backward recomputes its
-    logits instead of keeping them: the peak is one chunk's logits plus the head's gradient, whatever N is.
+    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
+    keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
     """
-    pieces = []
-    for start in range(0, h.size(0), chunk):
-        args = (h[start:start + chunk], weight, targets[start:start + chunk])
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_nll, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_nll(*args))
-    return torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+    return ChunkedNLL.apply(h, weight, targets, chunk)
 
 
-def _chunk_nll(h, weight, targets):
-    # NLL in fp32 so small log-prob differences survive bf16 autocast
-    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
+class ChunkedNLL(torch.autograd.Function):
+    """
+    forward: each chunk's logits in fp32, their log-sum-exp kept (N,) and the NLL read off; the logits dropped.
+    backward: each chunk's logits again, turned in place into d nll / d logits = softmax - onehot (times the
+    incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
+    (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
+    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
+    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
+    run in fp32, the gradients' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        nll = torch.empty(h.size(0), device=h.device)
+        lse = torch.empty_like(nll)
+        for s in range(0, h.size(0), chunk):
+            logits = F.linear(h[s:s + chunk], weight).float()  # (chunk, V)
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        device = h.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        h, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.size(0), ctx.chunk):
+            rows = slice(s, s + ctx.chunk)
+            with torch.autocast(**ctx.autocast):
+                logits = F.linear(h[rows], weight).float()
+            grad = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
+            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
+            grad.mul_(grad_nll[rows, None])
+            if grad_h is not None:
+                grad_h[rows] = grad @ weight.to(grad.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
+        return grad_h, grad_w, None, None
 
 
 class GPT(nn.Module):

@@ -67,3 +67,20 @@ def test_without_autograd_the_loss_is_the_same():
     with torch.no_grad():
         assert torch.allclose(model(idx, targets, loss_reduction="none", logits_per_chunk=500),
                               reference_nll(model, idx, targets), atol=1e-6)
+
+
+def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
+    # the GPU path: logits made in bf16 (forward and the backward's recompute alike), NLL in fp32; the chunked
+    # backward runs its matmuls in fp32 where autograd ran them in bf16, so gradients agree to bf16 precision
+    idx, targets = batch()
+    results = []
+    for chunked in (True, False):
+        model = small_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nll = model(idx, targets, loss_reduction="none", logits_per_chunk=7 * 500) if chunked else reference_nll(model, idx, targets)
+        nll.sum().backward()
+        results.append((nll.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (nll_a, grad_a), (nll_b, grad_b) = results
+    assert nll_a.dtype == torch.float32 and torch.allclose(nll_a, nll_b, atol=1e-5)
+    for name in grad_a:
+        assert (grad_a[name] - grad_b[name]).abs().max() <= 3e-2 * grad_b[name].abs().max(), name
