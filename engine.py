@@ -6,8 +6,8 @@ each in one batch:
   1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once;
      the KV cache knows each row's pad count, so padding is neither attended to nor counted in
      RoPE positions (a left-padded prompt computes exactly what it computes alone).
-  2. share: each prompt's cache row is repeated for its num_samples samples (P -> P*S rows), so a
-     prompt is prefilled once however many samples it gets.
+  2. share: each prompt's keys and values serve all its num_samples samples (P -> P*S rows): a
+     prompt is prefilled once and its cache stored once, however many samples it gets.
   3. decode: one token per step for all live rows, until every row has sampled a stop token or
      max_tokens tokens. Rows that have stopped keep decoding (their tokens are discarded) until
      enough of them have stopped to be worth a compaction: then the batch and its KV cache keep
@@ -232,7 +232,8 @@ class Engine:
         saves 1/8 of every later step, so it pays for itself within a few steps.
     compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
         dominate), on a KV cache whose steps all have the same shapes (KVCache static). Off by default:
-        not yet shown on a GPU to give the same samples faster; on a CPU the compile takes minutes.
+        not yet shown on a GPU to give the same samples faster; on this 2-core CPU compiling takes
+        about a minute and gains nothing.
     """
 
     def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False):
@@ -287,7 +288,8 @@ class Engine:
                 break
             if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
                 n_generated.index_copy_(0, rows, live_n)  # finished rows leave: record their lengths first
-                keep = torch.nonzero_static(live_n == max_tokens, size=n - n_done)[:, 0]
+                # the live rows' indices in order, without a second host sync (nonzero would need one to size its result)
+                keep = torch.argsort((live_n < max_tokens).to(torch.uint8), stable=True)[:n - n_done]
                 rows, live_n, token, u = rows[keep], live_n[keep], token[keep], u[:, keep]
                 cache.keep_rows(keep)
             logits = self.decode_step(model, token, cache)
