@@ -3,11 +3,11 @@ Rollout benchmark: the engine against transformers `generate` on the same weight
 machine's measured ceiling, and the pieces around it (batches that shrink, full-vocabulary sampling,
 the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded.
 
-    python -m tools.bench_rollout           # one table, about 10 minutes on 2 CPU cores
+    python -m tools.bench_rollout           # one table, about 7 minutes on 2 CPU cores
     python -m tools.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
 
-Ceiling: the time a token needs at the machine's measured fp32 GEMM rate and read bandwidth (both
-measured at the start of the run, best of several tries), counting
+Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
+next to each run, best of several tries: the machine is shared), counting
     FLOPs: 2 x (linear weights, lm_head included) + 4 x heads x head_dim x context per layer (q.k and p.v)
     bytes: keys and values of the context, every layer, + all weights once per decode step / rows
 with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
@@ -16,6 +16,7 @@ rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler,
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,11 @@ def load_transformers(model):
     from transformers.utils import logging
     logging.disable_progress_bar()
     folder = tempfile.mkdtemp(prefix="bench_rollout_")
-    model.save_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    try:
+        model.save_pretrained(folder)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    finally:
+        shutil.rmtree(folder)
 
 
 # ---- a batch that shrinks ------------------------------------------------------------------
@@ -184,10 +188,10 @@ def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
     model(torch.randint(0, c.vocab_size, (prompts, prompt_len)), kv_cache=cache)  # prefill
     cache.share(samples)
     token = torch.randint(0, c.vocab_size, (prompts * samples,))
-    logits = []
-    decode = best_of(lambda: logits.append(model(token[:, None], kv_cache=cache)[:, -1]), tries)
+    logits = [None]  # the last step's, (rows, V)
+    decode = best_of(lambda: logits.__setitem__(0, model(token[:, None], kv_cache=cache)[:, -1]), tries)
     u = torch.rand(prompts * samples)
-    sample = best_of(lambda: sample_next_token(logits[-1], u, 1.0, 0), tries)
+    sample = best_of(lambda: sample_next_token(logits[0], u, 1.0, 0), tries)
     return sample, decode
 
 
