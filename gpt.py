@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalize in fp32 (as the reference implementations do), scale in the input dtype;
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel instead of five small ones
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
