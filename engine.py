@@ -6,84 +6,242 @@ each in one batch:
   1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once;
      the KV cache knows each row's pad count, so padding is neither attended to nor counted in
      RoPE positions (a left-padded prompt computes exactly what it computes alone).
-  2. share: each prompt's cache row is repeated for its num_samples samples (P -> P*S rows), so a
-     prompt is prefilled once however many samples it gets.
-  3. decode: one token per step for all rows, until every row has sampled a stop token or
-     max_tokens tokens.
-Sampling uses the Gumbel-max trick with noise drawn for the whole (rows, vocab) grid from a seeded
-generator: a row's token depends only on its own logits and its own slice of noise, so finished
-rows (which keep decoding, their tokens discarded) can never change other rows' results, and the
-same seed gives the same samples.
+  2. share: each prompt's keys and values serve all its num_samples samples (P -> P*S rows): a
+     prompt is prefilled once and its cache stored once, however many samples it gets.
+  3. decode: one token per step for all live rows, until every row has sampled a stop token or
+     max_tokens tokens. Rows that have stopped keep decoding (their tokens are discarded) until
+     enough of them have stopped to be worth a compaction: then the batch and its KV cache keep
+     only the live rows, so finished rows stop costing compute.
+Sampling is by inverse CDF: every row draws one uniform number per step, all of them drawn up
+front from a seeded generator as a (rows, max_tokens) table, and the token is where that number
+falls in the row's cumulative probabilities. A row's token depends only on its own logits and its
+own uniform u[row, step], so neither finished rows, compaction, nor the other rows can change it,
+and the same seed gives the same samples. Cost: one softmax pass over the vocabulary, not one
+random number per (row, vocab) entry as the Gumbel-max trick needs.
 """
 
 import torch
 
+BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
+ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time (8 MB in fp32)
+
 
 class KVCache:
-    """Keys and values of every layer for B rows that share one write position.
-
-    Rows are left-padded: row b's real tokens start at cache slot pad[b]. Position ids for RoPE are
-    slot - pad[b], and the attention mask hides slots < pad[b].
+    """
+    Keys and values of every layer, in two parts:
+      prompt part (P, Hkv, T, D): written once by the prefill, one row per prompt, shared by all its samples;
+      own part (B, Hkv, max_new, D): one row per sample (prompt-major, B = P * S), one slot per decode step.
+    Prompts are left-padded to T: prompt p's tokens start at slot pad[p]; RoPE positions are slot - pad[p]
+    and masks hide slots < pad[p]. cos, sin: (max_len, head_dim) RoPE tables of positions 0..max_len-1.
+    Why two parts: a prompt's keys are the same for its S samples, so they are stored and read once, and a
+    decode step attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
+    instead of S matmuls of one row each, which on a CPU run far below the memory's speed.
+    static: decode steps of one fixed shape that read no Python number (for torch.compile / CUDA graphs): the
+    step's slot is a tensor, and every step attends over all max_new own slots, the unwritten ones masked.
     """
 
-    def __init__(self, num_layers, pad, max_len):
-        self.pad = pad  # (B,) long: left padding of each row
-        self.max_len = max_len
-        self.pos = 0  # next slot to write, the same for every row
-        self.k = [None] * num_layers
-        self.v = [None] * num_layers
+    def __init__(self, num_layers, pad, max_new, cos, sin, static=False):
+        self.pad = pad  # (P,) long
+        self.max_new = max_new
+        self.pos = 0  # next slot to write, the same for every row: T + tokens generated so far
+        self.prompt_k, self.prompt_v = [None] * num_layers, [None] * num_layers
+        self.cos, self.sin = cos, sin
+        self.static, self.decoding = static, False
 
-    def positions_and_mask(self, T):
-        """RoPE positions (B, T) and boolean attention mask (B, 1, T, pos + T) for T new tokens."""
-        device = self.pad.device
-        q_slot = self.pos + torch.arange(T, device=device)         # slots of the new tokens
-        k_slot = torch.arange(self.pos + T, device=device)         # slots they may look at
-        positions = (q_slot[None, :] - self.pad[:, None]).clamp(min=0)
-        causal = k_slot[None, None, :] <= q_slot[None, :, None]    # (1, T, S)
-        real = k_slot[None, None, :] >= self.pad[:, None, None]    # (B, 1, S): not padding
+    def share(self, num_samples):
+        """After the prefill: row r = sample r % S of prompt r // S (prompt-major), B = P * S rows."""
+        self.samples, self.decoding = num_samples, True
+        self.rows = None  # original index of each row (p * S + s), None = all B rows in order
+        self.row_pad = self.pad.repeat_interleave(num_samples)  # (B,)
+        self._build_prompt_mask()
+        B = self.row_pad.size(0)  # the own part, in the prompt part's dtype (autocast's)
+        self.k = [k.new_zeros(B, k.size(1), self.max_new, k.size(3)) for k in self.prompt_k]
+        self.v = [v.new_zeros(B, v.size(1), self.max_new, v.size(3)) for v in self.prompt_v]
+        self.step = torch.zeros(1, dtype=torch.long, device=self.pad.device)  # own slot of the next token (static)
+
+    def keep_rows(self, keep):
+        """Keep only rows keep (long tensor of indices into the current rows, in order): finished rows leave."""
+        rows = torch.arange(self.row_pad.size(0), device=keep.device) if self.rows is None else self.rows
+        self.rows, self.row_pad = rows[keep], self.row_pad[keep]
+        self.k = [t.index_select(0, keep) for t in self.k]
+        self.v = [t.index_select(0, keep) for t in self.v]
+        self._build_prompt_mask()
+
+    def _build_prompt_mask(self):
+        # (B, 1, 1, T) additive: -inf on each row's prompt padding. Built once per batch layout.
+        T = self.prompt_k[0].size(2)
+        padding = torch.arange(T, device=self.pad.device)[None, :] < self.row_pad[:, None]
+        self.prompt_mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))[:, None, None]
+
+    def rope_and_mask(self, T):
+        """
+        RoPE cos, sin (rows, 1, T, head_dim) of the T new tokens, and the mask the model's attention needs:
+        prefill (T tokens per prompt): boolean (P, 1, T, T), True = may attend;
+        decode (one token per row): None, KVCache.attend masks the prompt padding itself.
+        """
+        if self.decoding:
+            assert T == 1, "after the prefill the cache takes one token per row at a time"
+            positions = (self.step + self.prompt_k[0].size(2) if self.static else self.pos) - self.row_pad  # (B,)
+            B = positions.size(0)
+            return self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1), None
+        slot = torch.arange(T, device=self.pad.device)
+        positions = (slot[None, :] - self.pad[:, None]).clamp(min=0)  # (P, T)
+        causal = slot[None, None, :] <= slot[None, :, None]           # (1, T, T)
+        real = slot[None, None, :] >= self.pad[:, None, None]         # (P, 1, T): not padding
         # a padding query sees only itself: its output is garbage nobody reads, but never NaN
-        itself = k_slot[None, None, :] == q_slot[None, :, None]
-        return positions, (causal & (real | itself))[:, None]
+        itself = slot[None, None, :] == slot[None, :, None]
+        return self.cos[positions][:, None], self.sin[positions][:, None], (causal & (real | itself))[:, None]
 
     def update(self, layer, k, v):
-        """Write k, v (B, H, T, D) at the current position; return all keys/values so far."""
-        B, H, T, D = k.shape
-        if self.k[layer] is None:  # allocate lazily: dtype follows autocast
-            self.k[layer] = torch.zeros(B, H, self.max_len, D, dtype=k.dtype, device=k.device)
-            self.v[layer] = torch.zeros(B, H, self.max_len, D, dtype=v.dtype, device=v.device)
-        end = self.pos + T
-        assert end <= self.max_len, f"KV cache overflow: {end} > {self.max_len}"
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
+        assert self.pos == 0, "update() is the prefill's; decode steps go through attend()"
+        self.prompt_k[layer], self.prompt_v[layer] = k.contiguous(), v.contiguous()
+        return self.prompt_k[layer], self.prompt_v[layer]
 
     def advance(self, T):
-        self.pos += T
+        if self.static and self.decoding:
+            self.step += T  # in place: compiled steps see no Python number change
+        else:
+            self.pos += T
 
-    def repeat_rows(self, n):
-        """Row b becomes rows b*n .. b*n+n-1 (prompt-major), e.g. to share a prefill across samples."""
-        self.pad = self.pad.repeat_interleave(n)
-        self.k = [t.repeat_interleave(n, dim=0) for t in self.k]
-        self.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+    def attend(self, layer, q, k, v):
+        """
+        Decode step: q (B, H, 1, D), k and v (B, Hkv, 1, D) of each row's new token -> attention output (B, H, 1, D).
+        k, v go into this step's slot of the own part; each row then attends to its prompt's keys and its own.
+        GQA without copies: the g = H / Hkv query heads sharing a kv head are g rows of the same matmul.
+        """
+        B, H, _, D = q.shape
+        Hkv = k.size(1)
+        if self.static:  # write at the slot held in a tensor, attend over all slots, the unwritten ones masked
+            self.k[layer].index_copy_(2, self.step, k)
+            self.v[layer].index_copy_(2, self.step, v)
+            own_k, own_v = self.k[layer], self.v[layer]
+            own_mask = torch.where(torch.arange(self.max_new, device=q.device) <= self.step, 0.0, float("-inf"))
+        else:
+            t = self.pos - self.prompt_k[layer].size(2)  # own slot of this step
+            self.k[layer][:, :, t] = k[:, :, 0]
+            self.v[layer][:, :, t] = v[:, :, 0]
+            own_k, own_v, own_mask = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1], 0.0  # (B, Hkv, t + 1, D)
+        q = q.reshape(B, Hkv, H // Hkv, D) * D ** -0.5
+        prompt_scores = self._per_prompt(q, self.prompt_k[layer].transpose(-1, -2))  # (B, Hkv, g, T)
+        own_scores = torch.matmul(q, own_k.transpose(-1, -2))                         # (B, Hkv, g, own slots)
+        # one softmax over prompt and own keys, in fp32 under autocast
+        probs = torch.cat([prompt_scores.float() + self.prompt_mask, own_scores.float() + own_mask], dim=-1).softmax(dim=-1)
+        prompt_probs, own_probs = probs.to(v.dtype).split([prompt_scores.size(-1), own_k.size(2)], dim=-1)
+        y = self._per_prompt(prompt_probs, self.prompt_v[layer]) + torch.matmul(own_probs, own_v)  # (B, Hkv, g, D)
+        return y.reshape(B, H, 1, D)
+
+    def _per_prompt(self, x, m):
+        """
+        Row-wise x (B, Hkv, g, X) @ m (P, Hkv, X, Y) of the row's prompt -> (B, Hkv, g, Y), as one matmul per
+        prompt: its rows' x are stacked into the matmul's rows. Rows sit in a (P, S) grid by their original
+        index; after compaction the grid has holes (zero rows, computed and dropped).
+        """
+        B, Hkv, g, X = x.shape
+        P, S = m.size(0), self.samples
+        if self.rows is not None:
+            x = x.new_zeros(P * S, Hkv, g, X).index_copy_(0, self.rows, x)
+        x = x.view(P, S, Hkv, g, X).transpose(1, 2).reshape(P, Hkv, S * g, X)
+        y = torch.matmul(x, m)  # (P, Hkv, S * g, Y)
+        y = y.view(P, Hkv, S, g, -1).transpose(1, 2).reshape(P * S, Hkv, g, -1)
+        return y if self.rows is None else y.index_select(0, self.rows)
 
 
-def sample_next_token(logits, generator, temperature=1.0, top_k=None):
-    """logits (B, V) -> token ids (B,). temperature 0 = greedy."""
+def sample_next_token(logits, u, temperature=1.0, top_k=None):
+    """
+    logits (B, V), u (B,) uniform numbers in [0, 1) -> token ids (B,), row b drawn from
+    softmax(logits[b] / temperature) restricted to its top_k entries (all entries tied with the
+    k-th largest are kept). temperature 0 = greedy argmax, u unused.
+    Rows go through in chunks of at most ROWS_X_VOCAB entries: each chunk's temporaries stay in cache
+    and in the allocator's free lists (on CPU a fresh 150 MB tensor per step, 256 rows of a 152k
+    vocabulary, costs more in page faults than the softmax itself).
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits), row by row
-    noise = torch.empty_like(logits).exponential_(generator=generator)
-    return (logits - noise.log()).argmax(dim=-1)
+    rows = max(1, ROWS_X_VOCAB // logits.size(-1))
+    if logits.size(0) <= rows:
+        return _sample_rows(logits, u, temperature, top_k)
+    return torch.cat([_sample_rows(logits[i:i + rows], u[i:i + rows], temperature, top_k)
+                      for i in range(0, logits.size(0), rows)])
+
+
+def _sample_rows(logits, u, temperature, top_k):
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if not top_k or top_k >= logits.size(-1):
+        return sample_from_probs(torch.softmax(logits, dim=-1), u)
+    # the k + 1 largest, in descending order: the first k are the candidates, unless the (k+1)-th ties the
+    # k-th (then more than k entries are >= the k-th, and all of them stay in)
+    values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
+    kth = values[:, top_k - 1:top_k]
+    if logits.is_cuda or bool((values[:, top_k:] == kth).any()):
+        # a tie at the k-th (or a GPU: there this check would be a host sync, and the full row costs little)
+        return sample_from_probs(torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u)
+    # no tie: sample among the k candidates only, no pass over the whole vocabulary
+    return ids.gather(1, sample_from_probs(torch.softmax(values[:, :top_k], dim=-1), u)[:, None])[:, 0]
+
+
+def sample_from_probs(probs, u):
+    """
+    Inverse CDF, two levels: probs (B, V) >= 0, each row with a positive sum (need not be 1), u (B,)
+    in [0, 1) -> for each row the first token whose cumulative probability exceeds u * total.
+    A full-row cumsum would be a second slow serial pass over the vocabulary; instead sum blocks of
+    BLOCK tokens (one vectorized pass), pick the block on the (B, V / BLOCK) running sums, and run the
+    cumsum only inside that block (B, BLOCK).
+    A token of probability 0 (cut by top-k) is never returned: searchsorted(right=True) finds the
+    first running sum strictly above the target, and a zero entry does not raise the running sum;
+    where rounding puts the target at or past the last running sum, the index is clamped to the last
+    entry that raised it (a positive one).
+    """
+    B, V = probs.shape
+    n_full = V // BLOCK
+    block_sums = probs[:, :n_full * BLOCK].view(B, n_full, BLOCK).sum(dim=-1)  # (B, n_full)
+    if n_full * BLOCK < V:  # the last, partial block
+        block_sums = torch.cat([block_sums, probs[:, n_full * BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    running = block_sums.cumsum(dim=-1)                                      # (B, n_blocks)
+    target = u[:, None].to(running.dtype) * running[:, -1:]                 # (B, 1)
+    block = first_above(running, target)                                     # (B, 1)
+    before = torch.where(block > 0, running.gather(1, (block - 1).clamp(min=0)), 0.0)
+    # the chosen block's entries; slots past V (only in a partial last block) weigh nothing
+    token_ids = block * BLOCK + torch.arange(BLOCK, device=probs.device)     # (B, BLOCK)
+    inside = probs.gather(1, token_ids.clamp(max=V - 1)).masked_fill_(token_ids >= V, 0.0)
+    # target >= before exactly (searchsorted's promise), so target - before >= 0: a zero entry at the
+    # start of the block cannot be picked
+    return token_ids.gather(1, first_above(inside.cumsum(dim=-1), target - before))[:, 0]
+
+
+def first_above(running, target):
+    """Index (B, 1) of the first entry of running (B, n), nondecreasing, strictly above target (B, 1),
+    clamped to the first entry equal to the row's last (the last one that raised the running sum)."""
+    last_raise = torch.searchsorted(running, running[:, -1:].contiguous())
+    return torch.minimum(torch.searchsorted(running, target.contiguous(), right=True), last_raise)
+
+
+def decode_step(model, token, cache):
+    """token (B,) -> next-token logits (B, V): one token per row through the model, its keys/values cached."""
+    return model(token[:, None], kv_cache=cache)[:, -1]
 
 
 class Engine:
-    def __init__(self, model, tokenizer):
+    """
+    model, tokenizer: the policy and its tokenizer (stop_tokens, vocab_size).
+    compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
+        its rows has finished; 0 = as soon as one has, None = never. A compaction copies the live rows'
+        KV cache, about the memory traffic of one decode step's attention; shrinking the batch by 1/8
+        saves 1/8 of every later step, so it pays for itself within a few steps.
+    compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
+        dominate), on a KV cache whose steps all have the same shapes (KVCache static). Off by default:
+        not yet shown on a GPU to give the same samples faster; on this 2-core CPU compiling takes
+        about a minute and gains nothing.
+    """
+
+    def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False):
         self.model = model
         self.tokenizer = tokenizer
+        self.compact_at = compact_at
+        self.compile_decode = compile_decode
+        self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
 
     @torch.inference_mode()
     def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
@@ -96,7 +254,6 @@ class Engine:
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        generator = torch.Generator(device=device).manual_seed(seed)
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "every prompt needs at least one token"
         T = max(lengths)
@@ -104,32 +261,46 @@ class Engine:
         for i, p in enumerate(prompts):
             ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_len=T + max_tokens)
+        cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
 
         logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
-        cache.repeat_rows(num_samples)                                # share it across samples
+        cache.share(num_samples)                                      # its keys serve all its samples
         logits = logits.repeat_interleave(num_samples, dim=0)
         B = logits.size(0)
         vocab = self.tokenizer.vocab_size
-        out = torch.zeros(B, max_tokens, dtype=torch.long, device=device)
+        # every random number of the call, drawn now: u[t, b] is row b's at step t, whatever else happens
+        # (its column moves with the row when the batch is compacted)
+        u = torch.rand(B, max_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
+        out = torch.zeros(max_tokens, B, dtype=torch.long, device=device)  # out[t, b]: row b's token at step t
+        rows = torch.arange(B, device=device)  # original index of each row still in the batch
+        # steps before each row's first stop token = its completion length; max_tokens until it stops
         n_generated = torch.full((B,), max_tokens, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
+        live_n = n_generated.clone()  # the same, for the rows in the batch, in batch order
         for t in range(max_tokens):
             # a model's embedding table may be padded past the tokenizer's vocabulary: those rows are not tokens
-            token = sample_next_token(logits[:, :vocab], generator, temperature, top_k)
-            out[:, t] = token
-            just_stopped = ~done & torch.isin(token, stop)
-            n_generated[just_stopped] = t
-            done |= just_stopped
-            if t == max_tokens - 1 or bool(done.all()):
+            n = rows.size(0)
+            token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
+            out[t].index_copy_(0, rows, token)
+            live_n = torch.minimum(live_n, torch.where(torch.isin(token, stop), t, max_tokens))
+            n_done = int((live_n < max_tokens).sum())  # the step's one host sync
+            if n_done == n or t == max_tokens - 1:
                 break
-            logits = model(token[:, None], kv_cache=cache)[:, -1]
+            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
+                n_generated.index_copy_(0, rows, live_n)  # finished rows leave: record their lengths first
+                # the live rows' indices in order, without a second host sync (nonzero would need one to size its result)
+                keep = torch.argsort((live_n < max_tokens).to(torch.uint8), stable=True)[:n - n_done]
+                rows, live_n, token, u = rows[keep], live_n[keep], token[keep], u[:, keep]
+                cache.keep_rows(keep)
+            logits = self.decode_step(model, token, cache)
+        n_generated.index_copy_(0, rows, live_n)
 
-        out, n_generated, done = out.tolist(), n_generated.tolist(), done.tolist()
+        out, n_generated = out.T.tolist(), n_generated.tolist()
         sequences, masks = [], []
         for row in range(B):
             prompt = prompts[row // num_samples]
-            completion = out[row][:n_generated[row] + (include_stop and done[row])]
+            stopped = n_generated[row] < max_tokens  # else it ran out of tokens
+            completion = out[row][:n_generated[row] + (include_stop and stopped)]
             sequences.append(list(prompt) + completion)
             masks.append([0] * len(prompt) + [1] * len(completion))
         return sequences, masks

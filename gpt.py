@@ -62,11 +62,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in fp32 (as the reference implementations do), scale in the input dtype
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalize in fp32 (as the reference implementations do), scale in the input dtype;
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config):
@@ -91,10 +89,10 @@ def rope_inv_freq(config):
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos/sin: (B, 1, T, D). "rotate half" layout, as in the HF checkpoints
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D). "rotate half" layout, as in the HF checkpoints
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)  # x * cos + rotated * sin, one kernel fewer
 
 
 class Attention(nn.Module):
@@ -122,10 +120,12 @@ class Attention(nn.Module):
         # RoPE runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote); under autocast bring q and k
         # back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        if attn_mask is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
+        if kv_cache is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        else:  # sampling with the KV cache and a padding mask
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_past + T, D)
+        elif attn_mask is None:  # decoding, one token per row: the cache knows where its keys are (engine.KVCache.attend)
+            y = kv_cache.attend(self.layer_idx, q, k, v)
+        else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
             # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
             # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
             g = self.n_head // self.n_kv_head
@@ -157,6 +157,59 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, attn_mask, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def token_nll(h, weight, targets, chunk):
+    """
+    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
+    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
+    keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
+    """
+    return ChunkedNLL.apply(h, weight, targets, chunk)
+
+
+class ChunkedNLL(torch.autograd.Function):
+    """
+    forward: each chunk's logits in fp32, their log-sum-exp kept (N,) and the NLL read off; the logits dropped.
+    backward: each chunk's logits again, turned in place into d nll / d logits = softmax - onehot (times the
+    incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
+    (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
+    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
+    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
+    run in fp32, the gradients' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        nll = torch.empty(h.size(0), device=h.device)
+        lse = torch.empty_like(nll)
+        for s in range(0, h.size(0), chunk):
+            logits = F.linear(h[s:s + chunk], weight).float()  # (chunk, V)
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        device = h.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        h, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.size(0), ctx.chunk):
+            rows = slice(s, s + ctx.chunk)
+            with torch.autocast(**ctx.autocast):
+                logits = F.linear(h[rows], weight).float()
+            grad = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
+            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
+            grad.mul_(grad_nll[rows, None])
+            if grad_h is not None:
+                grad_h[rows] = grad @ weight.to(grad.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
+        return grad_h, grad_w, None, None
 
 
 class GPT(nn.Module):
@@ -195,24 +248,25 @@ class GPT(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
-        With a cache (see engine.KVCache), rows may be left-padded: the cache knows each row's
-        pad count, so positions and the attention mask skip the padding; only the last position's
-        logits (B, 1, V) are returned, all the sampler needs.
+        With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
+        RoPE cos/sin and, for the prefill, the mask that skips its padding; a decode step (one token
+        per row) attends through the cache, which knows where the row's keys are. Only the last
+        position's logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
+        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
         B, T = idx.shape
+        x = self.model.embed_tokens(idx)
         if kv_cache is None:
-            positions = torch.arange(T, device=idx.device).expand(B, T)
+            cos, sin = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
-            positions, attn_mask = kv_cache.positions_and_mask(T)
-        cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(idx)
+            cos, sin, attn_mask = kv_cache.rope_and_mask(T)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.model.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
@@ -229,11 +283,11 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x)
         # Project only the positions that have a target (completion tokens): prompt and padding positions
-        # would cost a (B, T, V) logit tensor for nothing. NLL in fp32 so small log-prob differences
-        # survive bf16 autocast.
+        # would cost a (B, T, V) logit tensor for nothing.
         valid = targets >= 0
         nll = torch.zeros(B, T, device=x.device)
-        nll[valid] = F.cross_entropy(self.lm_head(x[valid]).float(), targets[valid], reduction="none")
+        chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
+        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk)
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"

@@ -1,0 +1,86 @@
+"""The training log-prob pass: chunked over tokens, same NLL and gradients, never all (tokens, vocab) logits at once."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gpt import GPT, GPTConfig
+
+
+def small_model():
+    config = GPTConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return GPT(config).init_weights(0)
+
+
+def batch():
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 500, (3, 24), generator=gen)
+    targets = torch.randint(0, 500, (3, 24), generator=gen)
+    targets[0, :5] = -1   # prompt
+    targets[2, 17:] = -1  # padding
+    return idx, targets
+
+
+def reference_nll(model, idx, targets):
+    """Today's computation before chunking: every valid position's logits at once."""
+    logits = model(idx).float()
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none").view_as(targets)
+    return nll.masked_fill(targets < 0, 0.0)
+
+
+def test_chunked_nll_and_gradients_equal_the_unchunked_computation():
+    idx, targets = batch()
+    adv = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for chunked in (True, False):
+        model = small_model()
+        # 7 * 500 logits per chunk: 62 valid tokens make 9 chunks, the last one partial
+        nll = model(idx, targets, loss_reduction="none", logits_per_chunk=7 * 500) if chunked else reference_nll(model, idx, targets)
+        (nll * adv).sum().backward()
+        grads.append((nll.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (nll_a, grad_a), (nll_b, grad_b) = grads
+    assert torch.allclose(nll_a, nll_b, atol=1e-6)
+    assert torch.all(nll_a[targets < 0] == 0)
+    for name in grad_a:  # equal up to fp32 summation order: within 1e-5 of the tensor's largest entry
+        assert (grad_a[name] - grad_b[name]).abs().max() <= 1e-5 * grad_b[name].abs().max(), name
+
+
+def test_backward_keeps_no_full_logit_tensor():
+    # the shapes of all tensors autograd saves for backward: with chunks of 8 tokens, no (tokens, vocab) one holds more
+    idx, targets = batch()
+
+    def saved_logit_rows(loss_fn):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, lambda t: t):
+            loss_fn().sum().backward()
+        return max((math.prod(s[:-1]) for s in shapes if s and s[-1] == 500), default=0)
+
+    assert saved_logit_rows(lambda: small_model()(idx, targets, loss_reduction="none", logits_per_chunk=8 * 500)) <= 8
+    assert saved_logit_rows(lambda: reference_nll(small_model(), idx, targets)) == 3 * 24  # what the check would see
+
+
+def test_without_autograd_the_loss_is_the_same():
+    idx, targets = batch()
+    model = small_model()
+    with torch.no_grad():
+        assert torch.allclose(model(idx, targets, loss_reduction="none", logits_per_chunk=500),
+                              reference_nll(model, idx, targets), atol=1e-6)
+
+
+def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
+    # the GPU path: logits made in bf16 (forward and the backward's recompute alike), NLL in fp32; the chunked
+    # backward runs its matmuls in fp32 where autograd ran them in bf16, so gradients agree to bf16 precision
+    idx, targets = batch()
+    results = []
+    for chunked in (True, False):
+        model = small_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nll = model(idx, targets, loss_reduction="none", logits_per_chunk=7 * 500) if chunked else reference_nll(model, idx, targets)
+        nll.sum().backward()
+        results.append((nll.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (nll_a, grad_a), (nll_b, grad_b) = results
+    assert nll_a.dtype == torch.float32 and torch.allclose(nll_a, nll_b, atol=1e-5)
+    for name in grad_a:
+        assert (grad_a[name] - grad_b[name]).abs().max() <= 3e-2 * grad_b[name].abs().max(), name

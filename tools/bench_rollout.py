@@ -1,0 +1,359 @@
+"""
+Rollout benchmark: the engine against transformers `generate` on the same weights and against this
+machine's measured ceiling, and the pieces around it (batches that shrink, full-vocabulary sampling,
+the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded.
+
+    python -m tools.bench_rollout           # one table, about 7 minutes on 2 CPU cores
+    python -m tools.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
+
+Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
+next to each run, best of several tries: the machine is shared), counting
+    FLOPs: 2 x (linear weights, lm_head included) + 4 x heads x head_dim x context per layer (q.k and p.v)
+    bytes: keys and values of the context, every layer, + all weights once per decode step / rows
+with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
+rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine reaches it.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from engine import Engine, KVCache, sample_next_token
+from gpt import GPT, GPTConfig, token_nll
+
+QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
+CONFIGS = {
+    "4L": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, **QWEN3),
+    "12L": dict(vocab_size=32768, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
+                num_attention_heads=12, num_key_value_heads=4, **QWEN3),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, **QWEN3),
+}
+FULL_VOCAB = 151936  # Qwen2.5 / Qwen3
+
+
+class Tokenizer:
+    """What the engine reads of a tokenizer: vocab_size columns are sampled, a stop token ends a row."""
+
+    def __init__(self, vocab_size, stop_tokens=()):
+        self.vocab_size, self.stop_tokens = vocab_size, set(stop_tokens)
+
+
+def best_of(fn, tries):
+    """Smallest wall time of fn() over tries calls: the machine is shared, the minimum is the least disturbed."""
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ---- the machine ----------------------------------------------------------------------------
+def measure_machine(quick):
+    n = 512 if quick else 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gemm = 2 * n ** 3 / best_of(lambda: a @ b, 3 if quick else 8)
+    x = torch.randn((2 if quick else 64) * 2 ** 20)  # 8 / 256 MB: well past the caches
+    read = x.numel() * 4 / best_of(lambda: x.sum(), 3 if quick else 8)
+    return SimpleNamespace(gemm_flops=gemm, read_bytes=read)
+
+
+def decode_cost(c, rows, context):
+    """(FLOPs, bytes read) per generated token of config c at the given mean context length."""
+    linear = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+                                    + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+    attention_flops = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * 4
+    return 2 * linear + attention_flops, kv_bytes + linear * 4 / rows
+
+
+def ceiling_tokens_per_s(c, rows, prompt_len, new_tokens, machine):
+    flops, nbytes = decode_cost(c, rows, prompt_len + new_tokens / 2)
+    return 1 / (flops / machine.gemm_flops + nbytes / machine.read_bytes)
+
+
+# ---- engine and transformers, same weights ----------------------------------------------------
+def random_prompts(n, length, vocab, seed=0):
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
+    engine = Engine(model, Tokenizer(model.config.vocab_size))  # no stop tokens: every row makes new_tokens
+    engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
+    seconds = best_of(lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries)
+    return len(prompts) * samples * new_tokens / seconds
+
+
+def transformers_tokens_per_s(hf, prompts, samples, new_tokens, top_k):
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=True, temperature=1.0, top_k=top_k, pad_token_id=0, eos_token_id=None, num_return_sequences=samples)
+    with torch.inference_mode():
+        hf.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        seconds = time.perf_counter() - t0
+    assert out.shape == (len(prompts) * samples, ids.size(1) + new_tokens), out.shape
+    return out.numel() - len(prompts) * samples * ids.size(1), seconds
+
+
+def load_transformers(model):
+    """The same weights through transformers: save_pretrained, then AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    folder = tempfile.mkdtemp(prefix="bench_rollout_")
+    try:
+        model.save_pretrained(folder)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    finally:
+        shutil.rmtree(folder)
+
+
+# ---- a batch that shrinks ------------------------------------------------------------------
+def force_stops(model, lengths, stop):
+    """
+    Make row r (prompt-major) sample the stop token after exactly lengths[r] tokens, and never before:
+    a forward hook rewrites the logits. It follows the engine's compaction from the outside: when the batch
+    shrinks, the rows gone are the ones it made stop (a compaction drops every finished row).
+    Returns the hook's handle (.remove() it).
+    """
+    state = SimpleNamespace(calls=0, rows=None, stopped=set())
+
+    def hook(module, args, kwargs, logits):
+        if kwargs.get("kv_cache") is None:
+            return logits
+        step = state.calls  # the token sampled from these logits is the row's step-th (0-based)
+        state.calls += 1
+        if step == 0:
+            return logits  # prefill: one row per prompt, never a stop at step 0
+        if state.rows is None:
+            state.rows = list(range(len(lengths)))
+        if logits.size(0) < len(state.rows):
+            state.rows = [r for r in state.rows if r not in state.stopped]
+        assert logits.size(0) == len(state.rows), "the hook lost track of the engine's rows"
+        logits[:, :, stop] = float("-inf")
+        for i, r in enumerate(state.rows):
+            if lengths[r] == step:
+                logits[i, :, :] = float("-inf")
+                logits[i, :, stop] = 0.0
+                state.stopped.add(r)
+        return logits
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
+    """
+    Best wall time of tries runs with rows stopping at lengths spread over min_len..new_tokens, and of tries runs
+    of the same batch with every row running to new_tokens, interleaved (the machine is shared).
+    """
+    rows = len(prompts) * samples
+    lengths = [min_len + (r * 7919) % (new_tokens - min_len + 1) for r in range(rows)]  # spread, rows shuffled
+    stop = model.config.vocab_size - 1
+    stopping, running = Engine(model, Tokenizer(model.config.vocab_size, {stop})), Engine(model, Tokenizer(model.config.vocab_size))
+    stopping.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
+    mixed = full = float("inf")
+    for _ in range(tries):
+        handle = force_stops(model, lengths, stop)
+        try:
+            t0 = time.perf_counter()
+            _, masks = stopping.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1)
+            mixed = min(mixed, time.perf_counter() - t0)
+        finally:
+            handle.remove()
+        assert [sum(m) for m in masks] == lengths, "the forced stops did not happen where asked"
+        full = min(full, best_of(lambda: running.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), 1))
+    return sum(lengths), mixed, full
+
+
+# ---- full-vocabulary sampling against a decode step --------------------------------------------
+@torch.inference_mode()
+def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
+    """Seconds of one decode step (prompts x samples rows, one token each, through the model) and of sampling its logits, top-k 0."""
+    model = GPT(GPTConfig(**config)).init_weights(0).eval()
+    c = model.config
+    cos, sin = model.rope(torch.arange(prompt_len + tries + 1)[None])
+    cache = KVCache(c.num_hidden_layers, torch.zeros(prompts, dtype=torch.long), tries + 1, cos[0, 0], sin[0, 0])
+    model(torch.randint(0, c.vocab_size, (prompts, prompt_len)), kv_cache=cache)  # prefill
+    cache.share(samples)
+    token = torch.randint(0, c.vocab_size, (prompts * samples,))
+    logits = [None]  # the last step's, (rows, V)
+    decode = best_of(lambda: logits.__setitem__(0, model(token[:, None], kv_cache=cache)[:, -1]), tries)
+    u = torch.rand(prompts * samples)
+    sample = best_of(lambda: sample_next_token(logits[0], u, 1.0, 0), tries)
+    return sample, decode
+
+
+# ---- the training log-prob pass, peak memory ---------------------------------------------------
+def logprob_peak_child(kind, tokens, hidden, vocab):
+    """In a fresh process: peak resident memory growth (bytes) of forward + backward of lm_head + NLL over tokens."""
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
+    targets = torch.randint(0, vocab, (tokens,))
+    before = resident_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: restart the peak (VmHWM) from the current size
+        f.write("5")
+    if kind == "chunked":  # what GPT.forward does
+        nll = token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
+    else:  # the previous way: all (tokens, vocab) logits at once
+        nll = F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
+    nll.sum().backward()
+    return resident_bytes("VmHWM") - before
+
+
+def resident_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def logprob_peak(kind, tokens, hidden, vocab):
+    out = subprocess.run([sys.executable, "-m", "tools.bench_rollout", f"--peak-child={kind},{tokens},{hidden},{vocab}"],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.split()[-1])
+
+
+# ---- the table --------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
+    p.add_argument("--only", default="", help="comma-separated rows to run: engine, mixed, sampling, logprob, rlstep (default all)")
+    p.add_argument("--peak-child", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peak_child:
+        kind, *sizes = args.peak_child.split(",")
+        print(logprob_peak_child(kind, *map(int, sizes)))
+        return 0
+    torch.manual_seed(0)
+    quick, started = args.quick, time.time()
+    prompt_len, new_tokens, top_k = (16, 16, 5) if quick else (96, 128, 50)
+    machine = measure_machine(quick)
+    lines = []  # (case, figure, compared with, ratio, target)
+    wanted = lambda row: not args.only or row in args.only.split(",")  # noqa: E731
+
+    def add(*row):
+        lines.append(row)
+        print("  " + " | ".join(row), flush=True)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32 GEMM "
+          f"{machine.gemm_flops / 1e9:.0f} GFLOP/s, read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)", flush=True)
+    plan = [("tiny", [(1, 4), (2, 4)])] if quick else [("4L", [(1, 16), (16, 16)]), ("12L", [(1, 16), (16, 16)])]
+    for name, layouts in plan if wanted("engine") else []:
+        model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
+        c = model.config
+        hf = load_transformers(model)
+        for n_prompts, samples in layouts:
+            prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
+            now = measure_machine(quick)  # the machine is shared: its ceiling is measured again next to each run
+            ours = engine_tokens_per_s(model, prompts, samples, new_tokens, top_k)
+            # transformers on the 12-layer model is slow: fewer new tokens for it (its per-token cost only grows with length)
+            hf_tokens = new_tokens if name != "12L" else 16
+            n, seconds = transformers_tokens_per_s(hf, prompts, samples, hf_tokens, top_k)
+            ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
+            case = f"{name} {n_prompts}x{samples}"
+            target_hf = {"4L 1x16": ">= 3x", "4L 16x16": ">= 6x"}.get(case, "")
+            add(case, f"{ours:,.0f} tok/s", f"transformers {n / seconds:,.0f} tok/s" + (f" ({hf_tokens} new tokens)" if hf_tokens != new_tokens else ""),
+                f"{ours / (n / seconds):.1f}x", target_hf)
+            add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+                f"{ours / ceiling:.0%}", {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""))
+        del hf
+    if wanted("mixed"):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
+        model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
+        prompts = random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size)
+        useful, mixed, full = mixed_lengths(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
+        add(f"mixed lengths {len(prompts)}x{4 if quick else 16}, {4 if quick else 16}..{new_tokens} tokens",
+            f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s", f"all rows to {new_tokens}: {full:.2f} s", f"{mixed / full:.2f}x", "<= 0.65x")
+    if wanted("sampling"):  # full-vocabulary sampling against a decode step
+        config = dict(CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1))
+        prompts, samples = (2, 8) if quick else (16, 16)
+        sample, decode = sampling_vs_decode(config, prompts, samples, prompt_len, tries=2 if quick else 3)
+        add(f"sampling {config['vocab_size']:,} columns, {prompts * samples} rows, top-k 0", f"{sample * 1e3:.1f} ms / step",
+            f"decode step {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
+    if wanted("logprob"):  # the training log-prob pass
+        tokens, hidden, vocab = (512, 64, 4096) if quick else (8192, 768, FULL_VOCAB)
+        chunked, unchunked = (logprob_peak(kind, tokens, hidden, vocab) for kind in ("chunked", "unchunked"))
+        add(f"log-prob pass peak, {tokens:,} tokens, vocab {vocab:,}, width {hidden}", f"+{chunked / 2**30:.2f} GiB chunked",
+            f"+{unchunked / 2**30:.2f} GiB unchunked", f"{chunked / max(unchunked, 1):.2f}x", "<= 1.5 GB")
+    if wanted("rlstep"):  # one whole RL step, 4L (tiny when quick)
+        now = measure_machine(quick)
+        model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0)
+        parts = rl_step(model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens)
+        update_ceiling = parts["update_flops"] / now.gemm_flops
+        add(f"RL step {4 if quick else 16}x{4 if quick else 16}x{new_tokens}", f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
+            f"update {parts['update']:.1f} s", f"update at the GEMM rate: {update_ceiling:.2f} s", f"{update_ceiling / parts['update']:.0%}", "")
+    return print_table(lines, quick, started, machine)
+
+
+def print_table(lines, quick, started, machine):
+    print(f"\n`python -m tools.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{(time.time() - started) / 60:.1f} min; at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+          f"read {machine.read_bytes / 1e9:.1f} GB/s\n")
+    header = ("case", "engine", "compared with", "ratio", "target")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in lines:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+# ---- one RL step through chat_rl's own functions (adapt here when chat_rl changes) ----------------
+def rl_step(model, n_prompts, samples, new_tokens):
+    """
+    Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
+    chat_rl on the arith task, and the update's FLOPs. A random model's answers are never right, so the
+    verifier is a coin flip (as in tools/bench_rl_step.py): every group then has signal to train on.
+    """
+    import hashlib
+    import chat_rl
+    from tasks import arith
+    from tokenizer import ByteTokenizer
+    cfg = SimpleNamespace(**{k: v for k, (v, _) in chat_rl.HYPERPARAMETERS.items()})
+    cfg.num_samples, cfg.max_new_tokens, cfg.device_batch_size = samples, new_tokens, 32
+    grade, arith.grade = arith.grade, lambda completion, ref: hashlib.sha256(completion.encode()).digest()[0] % 2 == 0
+    engine = Engine(model, ByteTokenizer())
+    generate, generate_seconds = engine.generate_batch, []
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        result = generate(*a, **kw)
+        generate_seconds.append(time.perf_counter() - t0)
+        return result
+
+    engine.generate_batch = timed_generate
+    try:
+        rows = arith.load("train")[:n_prompts]
+        model.eval()
+        t0 = time.perf_counter()
+        out = chat_rl.rollout(engine, arith, rows, cfg, seed=0)
+        rollout_and_reward = time.perf_counter() - t0
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        model.train()
+        t0 = time.perf_counter()
+        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, cfg.advantage)
+        _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, cfg, "cpu", nullcontext())
+        optimizer.step()
+        update = time.perf_counter() - t0
+    finally:
+        arith.grade = grade
+    c = model.config
+    kept = [s for s, a in zip(out["sequences"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples)) if a > 0]
+    positions = sum(len(s) - 1 for s in kept)
+    body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+                                  + 3 * c.hidden_size * c.intermediate_size)
+    update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
+    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=update,
+                update_flops=update_flops)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
