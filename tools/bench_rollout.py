@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -317,8 +316,7 @@ def rl_step(model, n_prompts, samples, new_tokens):
     import chat_rl
     from tasks import arith
     from tokenizer import ByteTokenizer
-    cfg = SimpleNamespace(**{k: v for k, (v, _) in chat_rl.HYPERPARAMETERS.items()})
-    cfg.num_samples, cfg.max_new_tokens, cfg.device_batch_size = samples, new_tokens, 32
+    defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     grade, arith.grade = arith.grade, lambda completion, ref: hashlib.sha256(completion.encode()).digest()[0] % 2 == 0
     engine = Engine(model, ByteTokenizer())
     generate, generate_seconds = engine.generate_batch, []
@@ -334,13 +332,15 @@ def rl_step(model, n_prompts, samples, new_tokens):
         rows = arith.load("train")[:n_prompts]
         model.eval()
         t0 = time.perf_counter()
-        out = chat_rl.rollout(engine, arith, rows, cfg, seed=0)
+        out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
         rollout_and_reward = time.perf_counter() - t0
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         model.train()
         t0 = time.perf_counter()
-        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, cfg.advantage)
-        _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, cfg, "cpu", nullcontext())
+        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
+        _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
+                                                    defaults["loss_norm"], "cpu",
+                                                    device_batch_tokens=defaults["device_batch_tokens"])
         optimizer.step()
         update = time.perf_counter() - t0
     finally:
