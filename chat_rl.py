@@ -76,6 +76,7 @@ HYPERPARAMETERS = dict(
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
+    compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
     loss_norm=          ("token",                       "token",       "token: divide by sampled tokens of the step | sequence"),
@@ -306,7 +307,7 @@ def train(cfg, rank, world, device):
     # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
         checkpoint.restore(state, model, optimizer, rank)

@@ -31,7 +31,7 @@ from tokenizer import load_tokenizer
 # settings that may change between a run and its resumption without changing what it computes
 # (--fsdp and --activation-checkpointing change where the memory goes, not the step's arithmetic)
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
-              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing"}
+              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing", "compile_decode"}
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
