@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distributed import is_sharded
-from gpt import write_config
+from hf_folder import write_config
 
 
 def prepare(model, device, fsdp, activation_checkpointing):

@@ -10,11 +10,11 @@ The three families differ only in switches of GPTConfig:
     Qwen3          : q/k RMSNorm per head (qk_norm=True), explicit head_dim
 Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.q_proj.weight, ...)
 so a state_dict maps one-to-one onto a safetensors file, in and out: GPT.from_pretrained reads a
-hub id or a Hugging Face folder, save_pretrained writes one that transformers and vLLM load as it is.
+hub id or a Hugging Face folder, save_pretrained writes one that transformers and vLLM load as it is
+(the folder format itself, config.json and the weight files, is hf_folder.py).
 Tiny configs of the same class are the offline demo's policy.
 """
 
-import json
 import math
 import os
 from dataclasses import dataclass, asdict
@@ -26,7 +26,7 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hub import resolve_folder
+from hf_folder import config_fields, read_json, resolve_folder, safetensors_files, umask, write_config
 
 
 @dataclass
@@ -306,7 +306,7 @@ class GPT(nn.Module):
         from the file on its own, converted, and put in place: the peak is the model plus one tensor.
         """
         path = resolve_folder(name_or_dir)
-        config = config_from_hf(_read_json(os.path.join(path, "config.json")))
+        config = config_from_hf(read_json(os.path.join(path, "config.json")))
         with torch.device("meta"):
             model = cls(config)
         for file in safetensors_files(path):
@@ -345,88 +345,10 @@ class GPT(nn.Module):
         # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the
         # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
         # 022), or the other users of a shared machine could read the config but not the weights
-        os.chmod(weights, 0o666 & ~_umask())
+        os.chmod(weights, 0o666 & ~umask())
         write_config(path, self.config, self.model.embed_tokens.weight.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face folders in and out: config.json + safetensors, parameter names unchanged.
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-def write_config(path, config, dtype):
-    """config.json of a folder whose weights are stored in dtype."""
-    hf = config_to_hf(config)
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-
-
-def safetensors_files(path):
-    """The weight files of a folder: the shards its index names, else model.safetensors."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        return [os.path.join(path, name) for name in sorted(set(_read_json(index)["weight_map"].values()))]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)")
-    return [single]
-
-
-def _umask():
-    """The process's umask: os.umask can only read it by setting it, so it is set straight back."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _read_json(file):
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist")
-    with open(file) as f:
-        return json.load(f)
-
-
 def config_from_hf(hf):
-    """GPTConfig from a Hugging Face config.json dict; anything this class cannot compute fails with one line."""
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {kind!r} (supported model_type: {', '.join(ARCHITECTURES)} "
-                         "= Llama/SmolLM, Qwen2/Qwen2.5, Qwen3)")
-    # switches this class does not have: refuse instead of computing something else
-    refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "mlp_bias": bool(hf.get("mlp_bias")),
-               "use_sliding_window": bool(hf.get("use_sliding_window")),
-               "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0) != 1.0,
-               "attention_bias (bias on o_proj too)": kind != "qwen2" and bool(hf.get("attention_bias"))}
-    for what, bad in refused.items():
-        if bad:
-            raise ValueError(f"{kind} checkpoint with {what} = {hf.get(what.split()[0])!r} is not supported")
-    fields = {f: hf[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "rms_norm_eps", "max_position_embeddings") if f in hf}
-    fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    fields["head_dim"] = hf.get("head_dim") or 0
-    # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into rope_parameters
-    rope = dict(hf.get("rope_parameters") or {})
-    fields["rope_theta"] = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
-    scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
-    fields["rope_scaling"] = dict(scaling, rope_type="llama3") if rope_type == "llama3" else None
-    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)  # the default of all three config classes
-    fields["attention_bias"] = kind == "qwen2"  # Qwen2 always has q/k/v bias; its config does not say so
-    fields["qk_norm"] = kind == "qwen3"
-    return GPTConfig(**fields)
-
-
-def config_to_hf(config):
-    """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by transformers 4 and 5 and vLLM."""
-    kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
-    hf = {f: getattr(config, f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                          "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")}
-    hf.update(model_type=kind, architectures=[ARCHITECTURES[kind]], hidden_act="silu", torch_dtype="float32")
-    if kind != "qwen2":
-        hf["attention_bias"] = False
-    if kind != "llama":
-        hf["use_sliding_window"] = False
-    return hf
+    """GPTConfig from a Hugging Face config.json dict (hf_folder.config_fields says what maps to what)."""
+    return GPTConfig(**config_fields(hf))

@@ -1,0 +1,114 @@
+"""
+Hugging Face folders, the format every checkpoint in and out of chat_rl has: a hub id
+("Qwen/Qwen2.5-0.5B-Instruct") becomes a local folder (the model and the tokenizer loaders both ask
+here), fetching only what chat_rl reads; config.json maps to and from gpt.GPTConfig's fields; the
+weights are one model.safetensors or the shards an index names. Parameter names are the
+checkpoints' own, so a state_dict maps one-to-one onto the files.
+"""
+
+import json
+import os
+
+# what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
+# tokenizer, chat template, stop tokens (and the marker of a chat_rl byte-tokenizer folder); not *.bin,
+# *.gguf or other copies of the weights
+HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "chat_rl_tokenizer.json"]
+
+
+def resolve_folder(name_or_dir):
+    """A local folder as it is; a hub id ("Qwen/Qwen2.5-0.5B-Instruct") is fetched into the HF cache first."""
+    if os.path.isdir(name_or_dir):
+        return name_or_dir
+    if name_or_dir.count("/") != 1 or name_or_dir.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    from huggingface_hub import snapshot_download  # imported here: the offline demo never needs the hub
+    try:
+        return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"{name_or_dir!r} is no local folder and the hub download failed: "
+                                f"{type(e).__name__}: {first_line}") from None
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def write_config(path, config, dtype):
+    """config.json of a folder whose weights are stored in dtype."""
+    hf = config_to_hf(config)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def safetensors_files(path):
+    """The weight files of a folder: the shards its index names, else model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return [os.path.join(path, name) for name in sorted(set(read_json(index)["weight_map"].values()))]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)")
+    return [single]
+
+
+def umask():
+    """The process's umask: os.umask can only read it by setting it, so it is set straight back."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read_json(file):
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist")
+    with open(file) as f:
+        return json.load(f)
+
+
+def config_fields(hf):
+    """gpt.GPTConfig's fields from a Hugging Face config.json dict; anything gpt.py cannot compute fails with one line."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {kind!r} (supported model_type: {', '.join(ARCHITECTURES)} "
+                         "= Llama/SmolLM, Qwen2/Qwen2.5, Qwen3)")
+    # switches this class does not have: refuse instead of computing something else
+    refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "mlp_bias": bool(hf.get("mlp_bias")),
+               "use_sliding_window": bool(hf.get("use_sliding_window")),
+               "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0) != 1.0,
+               "attention_bias (bias on o_proj too)": kind != "qwen2" and bool(hf.get("attention_bias"))}
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(f"{kind} checkpoint with {what} = {hf.get(what.split()[0])!r} is not supported")
+    fields = {f: hf[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "rms_norm_eps", "max_position_embeddings") if f in hf}
+    fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    fields["head_dim"] = hf.get("head_dim") or 0
+    # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into rope_parameters
+    rope = dict(hf.get("rope_parameters") or {})
+    fields["rope_theta"] = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+    fields["rope_scaling"] = dict(scaling, rope_type="llama3") if rope_type == "llama3" else None
+    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)  # the default of all three config classes
+    fields["attention_bias"] = kind == "qwen2"  # Qwen2 always has q/k/v bias; its config does not say so
+    fields["qk_norm"] = kind == "qwen3"
+    return fields
+
+
+def config_to_hf(config):
+    """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by transformers 4 and 5 and vLLM."""
+    kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
+    hf = {f: getattr(config, f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                          "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")}
+    hf.update(model_type=kind, architectures=[ARCHITECTURES[kind]], hidden_act="silu", torch_dtype="float32")
+    if kind != "qwen2":
+        hf["attention_bias"] = False
+    if kind != "llama":
+        hf["use_sliding_window"] = False
+    return hf
