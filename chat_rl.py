@@ -333,11 +333,11 @@ def train(cfg, rank, world, device):
         if step == num_steps:
             break
         t0 = time.time()
-        rows = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)    # 1.
+        problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1.
         model.eval()
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
         with autocast, fsdp.gathered(model):                                                            # 2-3.
-            out = rollout(engine, task, rows, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+            out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step, rank), format_weight=cfg.format_weight,
                           rows_per_call=cfg.generate_batch_rows)
         t_rollout = time.time() - t0
