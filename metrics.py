@@ -75,7 +75,8 @@ class MetricsLog:
                 with open(path + ".tmp", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in kept)
                 os.replace(path + ".tmp", path)
-                self.last_eval = next((r for r in reversed(kept) if r.get("split") == "eval"), {})
+                if name == "metrics":
+                    self.last_eval = next((r for r in reversed(kept) if r.get("split") == "eval"), {})
             self.files[name] = open(path, "a" if keep_below_step else "w")
         if wandb_project:
             import hashlib
