@@ -173,7 +173,8 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 # ---- 5. loss -------------------------------------------------------------------------------------
 def make_batch(sequences, masks, device):
     """Right-padded (inputs, targets), both (B, T - 1): inputs[t] predicts targets[t] = sequence[t + 1].
-    targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient."""
+    targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient.
+    (Whole sequences, one row each: what supervised training wants; RL's loss uses make_shared_batch.)"""
     T = max(len(s) for s in sequences) - 1
     inputs = torch.zeros(len(sequences), T, dtype=torch.long)
     targets = torch.full((len(sequences), T), -1, dtype=torch.long)
@@ -183,6 +184,34 @@ def make_batch(sequences, masks, device):
         # the target of position t is token t + 1, and it is trained only if the policy sampled it
         targets[i, :n] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
     return inputs.to(device), targets.to(device)
+
+
+def make_shared_batch(sequences, masks, device):
+    """
+    make_batch's targets, laid out so that each distinct prompt is run once (gpt.SharedPrefix): the 16
+    samples of a problem share its prompt, and the loss would otherwise run it, forward and backward,
+    16 times. A row's prompt is its tokens before its first sampled one; its prefix is that prompt less
+    its last token, whose position predicts the first sampled token and so starts the row's own part.
+    Returns prefix = (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for model(..., prefix=prefix),
+    and each row's own (inputs, targets) (B, T), right-padded, targets -1 where not sampled.
+    """
+    prefixes, row_prefix, own = {}, [], []
+    for seq, mask in zip(sequences, masks):
+        start = max(1, min(mask.index(1) if 1 in mask else len(seq), len(seq) - 1))  # position 0 is never a target
+        row_prefix.append(prefixes.setdefault(tuple(seq[:start - 1]), len(prefixes)))
+        own.append((seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])]))
+    P, T = max(1, max(map(len, prefixes))), max(1, max(len(inputs) for inputs, _ in own))
+    ids = torch.zeros(len(prefixes), P, dtype=torch.long)
+    for g, prefix in enumerate(prefixes):
+        ids[g, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+    inputs = torch.zeros(len(own), T, dtype=torch.long)
+    targets = torch.full((len(own), T), -1, dtype=torch.long)
+    for i, (row_inputs, row_targets) in enumerate(own):
+        inputs[i, :len(row_inputs)] = torch.tensor(row_inputs, dtype=torch.long)
+        targets[i, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.long)
+    lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
+    prefix = (ids.to(device), lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device))
+    return prefix, inputs.to(device), targets.to(device)
 
 
 def micro_batches(lengths, max_rows, max_tokens):
@@ -217,7 +246,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
-    keep.sort(key=lambda i: len(sequences[i]))  # similar lengths share a micro-batch: less padding
+    # a group's rows side by side (they share one prompt pass: make_shared_batch), groups of similar prompt
+    # length and rows of similar length together (less padding)
+    keep.sort(key=lambda i: (len(sequences[i]) - sum(masks[i]), i // num_samples, len(sequences[i])))
     # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
     tokens = torch.tensor(float(sum(sum(masks[i][1:]) for i in keep)), device=device)
     totals = all_reduce_sum(torch.stack([tokens, torch.tensor(float(len(keep)), device=device)]))
@@ -233,11 +264,11 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     sequences, masks, advantages = sequences + [[0, 0]], masks + [[0, 0]], torch.cat([advantages, advantages.new_zeros(1)])
     batches += [[len(sequences) - 1]] * idle_passes
     for rows in batches:
-        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
+        prefix, inputs, targets = make_shared_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         adv = advantages[rows].to(device)
         with autocast:
-            # model(inputs, targets, loss_reduction="none") is gpt.py's per-token NLL = -logp (B, T), 0 where target is -1
-            logp = -model(inputs, targets, loss_reduction="none")
+            # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
+            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix)
         per_token = logp * adv[:, None]
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
             per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)

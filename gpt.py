@@ -122,7 +122,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if kv_cache is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif attn_mask is None:  # decoding, one token per row: the cache knows where its keys are (engine.KVCache.attend)
+        elif attn_mask is None:  # the cache knows where the keys are: a decode step (engine.KVCache), SharedPrefix
             y = kv_cache.attend(self.layer_idx, q, k, v)
         else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
@@ -212,6 +212,68 @@ class ChunkedNLL(torch.autograd.Function):
         return grad_h, grad_w, None, None
 
 
+class SharedPrefix:
+    """
+    The training forward of samples that share prompts, each prompt run once: in RL the 16 samples of a
+    problem repeat its prompt, often longer than the answers (the demo's: 90 tokens against 30), and a
+    plain forward pass would run it, and backpropagate through it, 16 times.
+    Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that token's
+    position predicts the first sampled token, so it starts the row's own part). The prefixes (G, P) and
+    the rows' own tokens (B, T), both right-padded, go through the layers as one flat sequence of
+    G * P + B * T tokens: every layer is called once (FSDP gathers a layer once per call; activation
+    checkpointing recomputes one call), and everything but attention works token by token anyway.
+    attend() splits the flat queries, keys and values again:
+      prefixes: causal within each prefix;
+      rows: row b attends to prefix p's keys (its padding masked) and, causally, to its own.
+    Same positions, same keys as the whole sequence in one row: the same NLL up to float rounding;
+    the backward pass sums each prefix's gradient over its rows (the index_select's backward).
+    """
+
+    def __init__(self, rope, num_prefixes, prefix_width, lengths, row_prefix, own_width):
+        self.G, self.P, self.T = num_prefixes, prefix_width, own_width
+        self.B = row_prefix.size(0)
+        self.row_prefix = row_prefix
+        device = lengths.device
+        start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
+        positions = torch.cat([torch.arange(self.P, device=device).repeat(self.G),
+                               (start[:, None] + torch.arange(self.T, device=device)).flatten()])
+        self.cos, self.sin = rope(positions[None])  # (1, 1, G * P + B * T, D)
+        prefix_real = torch.arange(self.P, device=device)[None, :] < start[:, None]  # (B, P)
+        causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
+        self.mask = torch.cat([prefix_real[:, None, :].expand(self.B, self.T, self.P),
+                               causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+
+    def rope_and_mask(self, N):
+        assert N == self.G * self.P + self.B * self.T
+        return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
+
+    def advance(self, N):
+        pass  # positions come from the prefix lengths, not from a running count
+
+    def attend(self, layer, q, k, v):
+        """q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D)."""
+        H, Hkv, D = q.size(1), k.size(1), q.size(3)
+        GP = self.G * self.P
+
+        def prefixes(x):  # (1, h, N, D) -> (G, h, P, D)
+            return x[0, :, :GP].reshape(x.size(1), self.G, self.P, D).transpose(0, 1)
+
+        def rows(x):      # (1, h, N, D) -> (B, h, T, D)
+            return x[0, :, GP:].reshape(x.size(1), self.B, self.T, D).transpose(0, 1)
+
+        k_prefix, v_prefix = prefixes(k), prefixes(v)
+        y_prefix = F.scaled_dot_product_attention(prefixes(q), k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
+        k_rows = torch.cat([k_prefix.index_select(0, self.row_prefix), rows(k)], dim=2)  # (B, Hkv, P + T, D)
+        v_rows = torch.cat([v_prefix.index_select(0, self.row_prefix), rows(v)], dim=2)
+        # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
+        g = H // Hkv
+        q_rows = rows(q).reshape(self.B, Hkv, g * self.T, D)
+        mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
+        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).view(self.B, H, self.T, D)
+        flat = torch.cat([y_prefix.transpose(0, 1).reshape(H, GP, D), y_rows.transpose(0, 1).reshape(H, -1, D)], dim=1)
+        return flat[None]
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -248,7 +310,7 @@ class GPT(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
@@ -258,9 +320,35 @@ class GPT(nn.Module):
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
+        prefix: (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for training on samples that share
+        prompts: row b of idx continues prefix row_prefix[b] (see SharedPrefix); each prefix runs once.
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
+        if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
+            ids, lengths, row_prefix = prefix
+            kv_cache = SharedPrefix(self.rope, *ids.shape, lengths, row_prefix, idx.size(1))
+            x = self.hidden_states(torch.cat([ids.flatten(), idx.flatten()])[None], kv_cache)
+            x = x[0, ids.numel():].view(*idx.shape, -1)  # the rows' hidden states (B, T, C)
+        else:
+            x = self.hidden_states(idx, kv_cache)
+        if targets is None:
+            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
+            return self.lm_head(x[:, -1:] if kv_cache is not None else x)
+        # Project only the positions that have a target (completion tokens): prompt and padding positions
+        # would cost a (B, T, V) logit tensor for nothing.
         B, T = idx.shape
+        valid = targets >= 0
+        nll = torch.zeros(B, T, device=x.device)
+        chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
+        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk)
+        if loss_reduction == "none":
+            return nll
+        assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
+        return nll.sum() / valid.sum().clamp(min=1)
+
+    def hidden_states(self, idx, kv_cache=None):
+        """(B, T) token ids -> final-norm hidden states (B, T, C); keys and values go to kv_cache, if given."""
+        T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if kv_cache is None:
             cos, sin = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D): the same for every row
@@ -275,23 +363,9 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attn_mask, kv_cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, attn_mask, kv_cache)
-        x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)
-            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
-            return self.lm_head(x[:, -1:])
-        if targets is None:
-            return self.lm_head(x)
-        # Project only the positions that have a target (completion tokens): prompt and padding positions
-        # would cost a (B, T, V) logit tensor for nothing.
-        valid = targets >= 0
-        nll = torch.zeros(B, T, device=x.device)
-        chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
-        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk)
-        if loss_reduction == "none":
-            return nll
-        assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
-        return nll.sum() / valid.sum().clamp(min=1)
+        return self.model.norm(x)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
