@@ -15,6 +15,7 @@ rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler,
 """
 
 import argparse
+import math
 import os
 import shutil
 import subprocess
@@ -290,6 +291,8 @@ def main(argv=None):
         update_ceiling = parts["update_flops"] / now.gemm_flops
         add(f"RL step {4 if quick else 16}x{4 if quick else 16}x{new_tokens}", f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
             f"update {parts['update']:.1f} s", f"update at the GEMM rate: {update_ceiling:.2f} s", f"{update_ceiling / parts['update']:.0%}", "")
+        add("update, each prompt run once", f"{parts['update']:.2f} s", f"every sequence whole: {parts['update_whole']:.2f} s",
+            f"{parts['update'] / parts['update_whole']:.2f}x", "")
     return print_table(lines, quick, started, machine)
 
 
@@ -336,23 +339,41 @@ def rl_step(model, n_prompts, samples, new_tokens):
         rollout_and_reward = time.perf_counter() - t0
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         model.train()
-        t0 = time.perf_counter()
         advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
-        _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
-                                                    defaults["loss_norm"], "cpu",
-                                                    device_batch_tokens=defaults["device_batch_tokens"])
-        optimizer.step()
-        update = time.perf_counter() - t0
+
+        def update():  # the loss's forward and backward passes and an AdamW step, as chat_rl.train runs them
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
+                                                        defaults["loss_norm"], "cpu",
+                                                        device_batch_tokens=defaults["device_batch_tokens"])
+            optimizer.step()
+            return time.perf_counter() - t0, valid
+
+        # against the same update with every sequence run whole, one row each (the layout before prompts were
+        # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
+        make_shared_batch, shared, whole = chat_rl.make_shared_batch, math.inf, math.inf
+        for _ in range(2):
+            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *chat_rl.make_batch(seqs, masks, device))
+            try:
+                whole = min(whole, update()[0])
+            finally:
+                chat_rl.make_shared_batch = make_shared_batch
+            seconds, valid = update()
+            shared = min(shared, seconds)
     finally:
         arith.grade = grade
     c = model.config
-    kept = [s for s, a in zip(out["sequences"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples)) if a > 0]
-    positions = sum(len(s) - 1 for s in kept)
+    kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
+            if a > 0]
+    # positions the forward pass runs: each row's own part (its sampled tokens, from the prompt's last token on)
+    # and each group's prompt less its last token once (kept is whole groups, in order)
+    positions = sum(sum(m) for _, m in kept) + sum(len(s) - sum(m) - 1 for s, m in kept[::samples])
     body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
                                   + 3 * c.hidden_size * c.intermediate_size)
     update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
-    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=update,
-                update_flops=update_flops)
+    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
+                update_whole=whole, update_flops=update_flops)
 
 
 if __name__ == "__main__":
