@@ -132,7 +132,7 @@ class Attention(nn.Module):
             q = q.reshape(B, self.n_kv_head, g * T, self.head_dim)
             mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask  # row j*T + t is query t of head j
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, T, self.head_dim)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -218,60 +218,72 @@ class SharedPrefix:
     problem repeat its prompt, often longer than the answers (the demo's: 90 tokens against 30), and a
     plain forward pass would run it, and backpropagate through it, 16 times.
     Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that token's
-    position predicts the first sampled token, so it starts the row's own part). The prefixes (G, P) and
-    the rows' own tokens (B, T), both right-padded, go through the layers as one flat sequence of
-    G * P + B * T tokens: every layer is called once (FSDP gathers a layer once per call; activation
-    checkpointing recomputes one call), and everything but attention works token by token anyway.
-    attend() splits the flat queries, keys and values again:
-      prefixes: causal within each prefix;
+    position predicts the first sampled token, so it starts the row's own part). The prefixes' real
+    tokens and the rows' own tokens up to their last target go through the layers as one flat sequence
+    (1, N): no padding for the linear layers, which hold most of the FLOPs, and every layer called once
+    (FSDP gathers a layer once per call; activation checkpointing recomputes one call). A row's tokens
+    after its last target are left out: nothing they feed has a target. attend() puts the flat queries,
+    keys and values into padded (G, P) and (B, T) slots again for attention alone:
+      prefixes: causal within each prefix (its padding comes after it, so causality hides it);
       rows: row b attends to prefix p's keys (its padding masked) and, causally, to its own.
     Same positions, same keys as the whole sequence in one row: the same NLL up to float rounding;
     the backward pass sums each prefix's gradient over its rows (the index_select's backward).
     """
 
-    def __init__(self, rope, num_prefixes, prefix_width, lengths, row_prefix, own_width):
-        self.G, self.P, self.T = num_prefixes, prefix_width, own_width
-        self.B = row_prefix.size(0)
+    def __init__(self, rope, prefix_ids, lengths, row_prefix, targets):
+        (self.G, self.P), (self.B, self.T) = prefix_ids.shape, targets.shape
         self.row_prefix = row_prefix
-        device = lengths.device
+        device = targets.device
+        self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]   # (G, P)
+        last_target = torch.where(targets >= 0, torch.arange(self.T, device=device), -1).amax(dim=1)
+        self.own_real = torch.arange(self.T, device=device)[None, :] <= last_target[:, None]  # (B, T)
+        # where each flat token sits in the padded layouts (row-major), and how many are prefix tokens
+        self.prefix_slots, self.own_slots = self.prefix_real.flatten().nonzero()[:, 0], self.own_real.flatten().nonzero()[:, 0]
+        self.num_prefix_tokens = self.prefix_slots.numel()
         start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
-        positions = torch.cat([torch.arange(self.P, device=device).repeat(self.G),
-                               (start[:, None] + torch.arange(self.T, device=device)).flatten()])
-        self.cos, self.sin = rope(positions[None])  # (1, 1, G * P + B * T, D)
-        prefix_real = torch.arange(self.P, device=device)[None, :] < start[:, None]  # (B, P)
+        positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
+                               (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
+        self.cos, self.sin = rope(positions[None])  # (1, 1, N, D)
+        prefix_keys = self.prefix_real[row_prefix]  # (B, P): the row's prefix, less its padding
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
-        self.mask = torch.cat([prefix_real[:, None, :].expand(self.B, self.T, self.P),
+        self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
                                causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
 
+    def pack(self, prefix_ids, idx):
+        """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
+        return torch.cat([prefix_ids[self.prefix_real], idx[self.own_real]])[None]
+
     def rope_and_mask(self, N):
-        assert N == self.G * self.P + self.B * self.T
+        assert N == self.cos.size(2)
         return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
 
     def advance(self, N):
-        pass  # positions come from the prefix lengths, not from a running count
+        pass  # positions are fixed by the layout, not by a running count
 
     def attend(self, layer, q, k, v):
         """q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D)."""
         H, Hkv, D = q.size(1), k.size(1), q.size(3)
-        GP = self.G * self.P
+        split = self.num_prefix_tokens
 
-        def prefixes(x):  # (1, h, N, D) -> (G, h, P, D)
-            return x[0, :, :GP].reshape(x.size(1), self.G, self.P, D).transpose(0, 1)
+        def padded(x, slots, rows, width):  # flat (1, h, n, D) -> (rows, h, width, D), zeros in the padding
+            h = x.size(1)
+            out = x.new_zeros(h, rows * width, D).index_copy(1, slots, x[0])
+            return out.view(h, rows, width, D).transpose(0, 1)
 
-        def rows(x):      # (1, h, N, D) -> (B, h, T, D)
-            return x[0, :, GP:].reshape(x.size(1), self.B, self.T, D).transpose(0, 1)
+        def flat(y, slots):  # (rows, h, width, D) -> (h, n, D), the real slots only
+            return y.transpose(0, 1).reshape(y.size(1), -1, D).index_select(1, slots)
 
-        k_prefix, v_prefix = prefixes(k), prefixes(v)
-        y_prefix = F.scaled_dot_product_attention(prefixes(q), k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
-        k_rows = torch.cat([k_prefix.index_select(0, self.row_prefix), rows(k)], dim=2)  # (B, Hkv, P + T, D)
-        v_rows = torch.cat([v_prefix.index_select(0, self.row_prefix), rows(v)], dim=2)
+        k_prefix, v_prefix = (padded(x[:, :, :split], self.prefix_slots, self.G, self.P) for x in (k, v))
+        q_prefix = padded(q[:, :, :split], self.prefix_slots, self.G, self.P)
+        y_prefix = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
+        k_rows, v_rows = (torch.cat([prefix.index_select(0, self.row_prefix), padded(x[:, :, split:], self.own_slots, self.B, self.T)], dim=2)
+                          for prefix, x in ((k_prefix, k), (v_prefix, v)))  # (B, Hkv, P + T, D)
         # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
         g = H // Hkv
-        q_rows = rows(q).reshape(self.B, Hkv, g * self.T, D)
+        q_rows = padded(q[:, :, split:], self.own_slots, self.B, self.T).reshape(self.B, Hkv, g * self.T, D)
         mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
         y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).view(self.B, H, self.T, D)
-        flat = torch.cat([y_prefix.transpose(0, 1).reshape(H, GP, D), y_rows.transpose(0, 1).reshape(H, -1, D)], dim=1)
-        return flat[None]
+        return torch.cat([flat(y_prefix, self.prefix_slots), flat(y_rows, self.own_slots)], dim=1)[None]
 
 
 class GPT(nn.Module):
@@ -325,22 +337,23 @@ class GPT(nn.Module):
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
+            assert targets is not None, "prefix is for the training loss"
             ids, lengths, row_prefix = prefix
-            kv_cache = SharedPrefix(self.rope, *ids.shape, lengths, row_prefix, idx.size(1))
-            x = self.hidden_states(torch.cat([ids.flatten(), idx.flatten()])[None], kv_cache)
-            x = x[0, ids.numel():].view(*idx.shape, -1)  # the rows' hidden states (B, T, C)
+            kv_cache = SharedPrefix(self.rope, ids, lengths, row_prefix, targets)
+            x = self.hidden_states(kv_cache.pack(ids, idx), kv_cache)[0, kv_cache.num_prefix_tokens:]  # (own tokens, C)
+            x = x[targets[kv_cache.own_real] >= 0]  # the positions with a target, in row-major order
         else:
             x = self.hidden_states(idx, kv_cache)
-        if targets is None:
-            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
-            return self.lm_head(x[:, -1:] if kv_cache is not None else x)
+            if targets is None:
+                # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
+                return self.lm_head(x[:, -1:] if kv_cache is not None else x)
+            x = x[targets >= 0]
         # Project only the positions that have a target (completion tokens): prompt and padding positions
         # would cost a (B, T, V) logit tensor for nothing.
-        B, T = idx.shape
         valid = targets >= 0
-        nll = torch.zeros(B, T, device=x.device)
+        nll = torch.zeros(targets.shape, device=x.device)
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
-        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk)
+        nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk)
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"

@@ -92,17 +92,20 @@ def test_shared_batch_layout_by_hand():
 
 
 def test_the_loss_runs_each_prompt_once_per_micro_batch():
-    # 2 prompts x 4 samples, all rows kept, one micro-batch: the model embeds one flat sequence, each prompt's
-    # prefix once and each row's own tokens; the gradient equals the one of whole sequences
+    # 2 prompts x 4 samples, all rows kept, one micro-batch: the model embeds one flat sequence without padding,
+    # each prompt less its last token once, then each row's own tokens (that last token + its completion less
+    # its last token); the gradient equals the one of whole sequences
     sequences, masks = rollouts(num_prompts=2, num_samples=4, seed=3)
     advantages = torch.tensor([0.5, -0.5, 0.25, -0.25] * 2)
     model = model_for("llama (GQA, tied head)")
     embedded = []
     model.model.embed_tokens.register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
     chat_rl.policy_gradient_backward(model, sequences, masks, advantages, 4, 8, "token", "cpu")
-    prompt_lengths = sorted(len(s) - sum(m) for s, m in zip(sequences, masks))[::4]
-    own = max(sum(m) for m in masks)  # each row's own part: the prompt's last token + its completion less its last
-    assert embedded == [(1, 2 * (max(prompt_lengths) - 1) + 8 * own)]
+    prompt_lengths = [m.index(1) for m in masks]
+    prefix_tokens = sum(n - 1 for n in prompt_lengths[::4])
+    own_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
+    assert embedded == [(1, prefix_tokens + own_tokens)]
+    assert own_tokens + prefix_tokens < sum(len(s) - 1 for s in sequences)
 
     reference = model_for("llama (GQA, tied head)")
     nll = plain_nll(reference, sequences, masks)
