@@ -70,7 +70,7 @@ HYPERPARAMETERS = dict(
     seed=               (0,                             0,             "seeds data order, sampling and evaluation"),
     resume=             (False,                         False,         "continue from the latest complete checkpoint in out_dir"),
     # rollouts
-    examples_per_step=  (16,                            16,            "problems per optimizer step, across all ranks"),
+    examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           48,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
@@ -239,7 +239,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     all-reduce of two scalars), so micro-batching and the number of ranks leave the loss unchanged;
     the gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP during the
     backward pass). Completions of groups with all-zero advantages are dropped before any forward
-    pass. Every rank joins the same collectives, whatever it kept.
+    pass; in a micro-batch, each prompt runs through the model once for all its samples
+    (make_shared_batch). Every rank joins the same collectives, whatever it kept.
     The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
     log-likelihood, negative whenever the policy already gives its better completions more
     probability than its worse ones; only its gradient matters.
