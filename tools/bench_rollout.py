@@ -145,8 +145,11 @@ def force_stops(model, lengths, stop):
         logits[:, :, stop] = float("-inf")
         for i, r in enumerate(state.rows):
             if lengths[r] == step:
-                logits[i, :, :] = float("-inf")
-                logits[i, :, stop] = 0.0
+                # the stop token 1000 above the rest: every other entry's probability underflows to exactly 0, and
+                # the row's top-k has no tie at the k-th (all others at -inf would tie, and send the whole batch
+                # down the sampler's full-vocabulary tie path at every step where a row stops, as no model's
+                # logits would)
+                logits[i, :, stop] = logits[i].max() + 1000.0
                 state.stopped.add(r)
         return logits
 
