@@ -186,20 +186,29 @@ def make_batch(sequences, masks, device):
     return inputs.to(device), targets.to(device)
 
 
+def first_target(mask):
+    """Position of a row's first sampled token that is a target (position 0 never is); None if it has none."""
+    return next((i for i in range(1, len(mask)) if mask[i]), None)
+
+
 def make_shared_batch(sequences, masks, device):
     """
     make_batch's targets, laid out so that each distinct prompt is run once (gpt.SharedPrefix): the 16
     samples of a problem share its prompt, and the loss would otherwise run it, forward and backward,
-    16 times. A row's prompt is its tokens before its first sampled one; its prefix is that prompt less
-    its last token, whose position predicts the first sampled token and so starts the row's own part.
+    16 times. A row's prompt is its tokens before its first target; its prefix is that prompt less its
+    last token, whose position predicts the first target and so starts the row's own part.
     Returns prefix = (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for model(..., prefix=prefix),
     and each row's own (inputs, targets) (B, T), right-padded, targets -1 where not sampled.
     """
     prefixes, row_prefix, own = {}, [], []
     for seq, mask in zip(sequences, masks):
-        start = max(1, min(mask.index(1) if 1 in mask else len(seq), len(seq) - 1))  # position 0 is never a target
-        row_prefix.append(prefixes.setdefault(tuple(seq[:start - 1]), len(prefixes)))
-        own.append((seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])]))
+        start = first_target(mask)
+        if start is None:  # nothing to train on: an empty prefix and one token, which the model leaves out
+            key, row = (), ([seq[0]], [-1])
+        else:
+            key, row = tuple(seq[:start - 1]), (seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])])
+        row_prefix.append(prefixes.setdefault(key, len(prefixes)))
+        own.append(row)
     P, T = max(1, max(map(len, prefixes))), max(1, max(len(inputs) for inputs, _ in own))
     ids = torch.zeros(len(prefixes), P, dtype=torch.long)
     for g, prefix in enumerate(prefixes):
@@ -249,7 +258,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
     # a group's rows side by side (they share one prompt pass: make_shared_batch), groups of similar prompt
     # length and rows of similar length together (less padding)
-    keep.sort(key=lambda i: (len(sequences[i]) - sum(masks[i]), i // num_samples, len(sequences[i])))
+    keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
     # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
     tokens = torch.tensor(float(sum(sum(masks[i][1:]) for i in keep)), device=device)
     totals = all_reduce_sum(torch.stack([tokens, torch.tensor(float(len(keep)), device=device)]))
@@ -257,6 +266,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     loss_sum = torch.zeros((), device=device)
     if normaliser == 0:
         return loss_sum, 0
+    # the token budget counts rows whole (rows x longest row): with prompts shared, the linear layers see fewer
+    # tokens than that, attention's padded slots at most rows x (longest prefix + longest own part)
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
     # under FSDP each forward/backward is collective, so every rank runs as many passes as the busiest one;

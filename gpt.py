@@ -120,7 +120,7 @@ class Attention(nn.Module):
         # RoPE runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote); under autocast bring q and k
         # back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        if kv_cache is None:  # training: plain causal attention; GQA = each group of query heads shares a k/v head
+        if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         elif attn_mask is None:  # the cache knows where the keys are: a decode step (engine.KVCache), SharedPrefix
             y = kv_cache.attend(self.layer_idx, q, k, v)
@@ -131,7 +131,8 @@ class Attention(nn.Module):
             g = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, g * T, self.head_dim)
             mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask  # row j*T + t is query t of head j
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, T, self.head_dim)
+            # reshape, not view: CUDA's memory-efficient kernel (the one that takes a mask) returns a transposed layout
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -248,6 +249,7 @@ class SharedPrefix:
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
         self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
                                causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+        self.folded_mask = None  # the mask with GQA's query heads folded into time (attend)
 
     def pack(self, prefix_ids, idx):
         """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
@@ -281,8 +283,10 @@ class SharedPrefix:
         # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
         g = H // Hkv
         q_rows = padded(q[:, :, split:], self.own_slots, self.B, self.T).reshape(self.B, Hkv, g * self.T, D)
-        mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
-        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).view(self.B, H, self.T, D)
+        if self.folded_mask is None:  # the same for every layer: built once
+            self.folded_mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
+        mask = self.folded_mask
+        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).reshape(self.B, H, self.T, D)
         return torch.cat([flat(y_prefix, self.prefix_slots), flat(y_rows, self.own_slots)], dim=1)[None]
 
 
@@ -299,7 +303,7 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.checkpoint_layers = False  # activation checkpointing (--activation-checkpointing): see forward
+        self.checkpoint_layers = False  # activation checkpointing (--activation-checkpointing): see hidden_states
 
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
@@ -333,11 +337,12 @@ class GPT(nn.Module):
         loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
         or logits (B, T, V) when targets is None.
         prefix: (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for training on samples that share
-        prompts: row b of idx continues prefix row_prefix[b] (see SharedPrefix); each prefix runs once.
+        prompts: idx then holds each row's own part only, and row b continues prefix row_prefix[b] at
+        position lengths[row_prefix[b]] (see SharedPrefix); each prefix runs once. Needs targets.
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
-            assert targets is not None, "prefix is for the training loss"
+            assert targets is not None and kv_cache is None, "prefix is for the training loss"
             ids, lengths, row_prefix = prefix
             kv_cache = SharedPrefix(self.rope, ids, lengths, row_prefix, targets)
             x = self.hidden_states(kv_cache.pack(ids, idx), kv_cache)[0, kv_cache.num_prefix_tokens:]  # (own tokens, C)
@@ -360,7 +365,8 @@ class GPT(nn.Module):
         return nll.sum() / valid.sum().clamp(min=1)
 
     def hidden_states(self, idx, kv_cache=None):
-        """(B, T) token ids -> final-norm hidden states (B, T, C); keys and values go to kv_cache, if given."""
+        """(B, T) token ids -> final-norm hidden states (B, T, C). kv_cache, if given, decides each token's position
+        and what its attention sees: an engine.KVCache (sampling) or a SharedPrefix (the loss; it caches nothing)."""
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if kv_cache is None:

@@ -112,3 +112,55 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
     (-sum(a * -row.sum() for a, row in zip(advantages, nll)) / sum(sum(m[1:]) for m in masks)).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def random_rollouts(rng, num_groups, num_samples):
+    """Prompt-major rollouts with the edge cases the loss can meet: a prompt of one token, the same prompt in
+    two groups, empty or one-token completions, unsampled tokens inside a completion, a row with no sampled
+    token at all (FSDP's idle pass is [0, 0]), a row sampled from position 0."""
+    sequences, masks, prompts = [], [], []
+    for _ in range(num_groups):
+        prompt = list(rng.choice(prompts)) if prompts and rng.random() < 0.3 else [rng.randrange(64) for _ in range(rng.choice([1, 2, 5, 9]))]
+        prompts.append(prompt)
+        for _ in range(num_samples):
+            completion = [rng.randrange(64) for _ in range(rng.choice([0, 1, 3, 7]))]
+            seq, mask = prompt + completion, [0] * len(prompt) + [int(rng.random() < 0.8) for _ in completion]
+            kind = rng.random()
+            if kind < 0.1:
+                mask = [0] * len(seq)
+            elif kind < 0.15:
+                mask = [1] * len(seq)
+            if len(seq) < 2:
+                seq, mask = seq + [rng.randrange(64)], mask + [1]
+            sequences.append(seq)
+            masks.append(mask)
+    return sequences, masks
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_the_loss_and_gradients_match_whole_sequences_on_random_edge_cases(trial, monkeypatch):
+    # the whole of policy_gradient_backward, shared prompts against every sequence whole (make_batch, no prefix),
+    # with micro-batches that split groups, a token budget, both normalisations and activation checkpointing
+    rng = __import__("random").Random(trial)
+    sequences, masks = random_rollouts(rng, num_groups=4, num_samples=3)
+    advantages = torch.tensor([rng.choice([-0.5, 0.0, 0.25, 1.0]) for _ in sequences])
+    family = list(FAMILIES)[trial % len(FAMILIES)]
+    args = dict(num_samples=3, device_batch_size=rng.choice([1, 2, 5, 100]), loss_norm=rng.choice(["token", "sequence"]),
+                device="cpu", device_batch_tokens=rng.choice([12, float("inf")]))
+    results = []
+    for layout in ("whole", "shared"):
+        model = model_for(family, seed=trial)
+        model.checkpoint_layers = trial % 2 == 1
+        if layout == "whole":
+            monkeypatch.setattr(chat_rl, "make_shared_batch", lambda s, m, d: (None, *chat_rl.make_batch(s, m, d)))
+        loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, **args)
+        monkeypatch.undo()
+        results.append((loss, tokens, {n: p.grad for n, p in model.named_parameters()}))
+    (loss, tokens, grads), (shared_loss, shared_tokens, shared_grads) = results
+    assert shared_tokens == tokens
+    torch.testing.assert_close(shared_loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        if grad is None:
+            assert shared_grads[name] is None, name
+        else:
+            torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -50,7 +50,7 @@ def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE):
         ids, mask = tokenizer.render_conversation(conv)
         seqs.append(ids)
         masks.append(mask)
-    return make_batch(seqs, masks, "cpu")  # the same batching as RL's loss: targets only where mask is 1
+    return make_batch(seqs, masks, "cpu")  # the targets RL's loss takes too: only where mask is 1
 
 
 def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm.write):
