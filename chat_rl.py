@@ -52,6 +52,7 @@ import fsdp
 from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
+from loss_pass import first_target, make_shared_batch, micro_batches
 from metrics import MetricsLog, check_nonfinite, console_line, step_metrics
 from tasks.common import conversation, get_task, rewards as reward_terms
 
@@ -171,72 +172,6 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
-def make_batch(sequences, masks, device):
-    """Right-padded (inputs, targets), both (B, T - 1): inputs[t] predicts targets[t] = sequence[t + 1].
-    targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient.
-    (Whole sequences, one row each: what supervised training wants; RL's loss uses make_shared_batch.)"""
-    T = max(len(s) for s in sequences) - 1
-    inputs = torch.zeros(len(sequences), T, dtype=torch.long)
-    targets = torch.full((len(sequences), T), -1, dtype=torch.long)
-    for i, (seq, mask) in enumerate(zip(sequences, masks)):
-        n = len(seq) - 1
-        inputs[i, :n] = torch.tensor(seq[:-1])
-        # the target of position t is token t + 1, and it is trained only if the policy sampled it
-        targets[i, :n] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
-    return inputs.to(device), targets.to(device)
-
-
-def first_target(mask):
-    """Position of a row's first sampled token that is a target (position 0 never is); None if it has none."""
-    return next((i for i in range(1, len(mask)) if mask[i]), None)
-
-
-def make_shared_batch(sequences, masks, device):
-    """
-    make_batch's targets, laid out so that each distinct prompt is run once (gpt.SharedPrefix): the 16
-    samples of a problem share its prompt, and the loss would otherwise run it, forward and backward,
-    16 times. A row's prompt is its tokens before its first target; its prefix is that prompt less its
-    last token, whose position predicts the first target and so starts the row's own part.
-    Returns prefix = (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for model(..., prefix=prefix),
-    and each row's own (inputs, targets) (B, T), right-padded, targets -1 where not sampled.
-    """
-    prefixes, row_prefix, own = {}, [], []
-    for seq, mask in zip(sequences, masks):
-        start = first_target(mask)
-        if start is None:  # nothing to train on: an empty prefix and one token, which the model leaves out
-            key, row = (), ([seq[0]], [-1])
-        else:
-            key, row = tuple(seq[:start - 1]), (seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])])
-        row_prefix.append(prefixes.setdefault(key, len(prefixes)))
-        own.append(row)
-    P, T = max(1, max(map(len, prefixes))), max(1, max(len(inputs) for inputs, _ in own))
-    ids = torch.zeros(len(prefixes), P, dtype=torch.long)
-    for g, prefix in enumerate(prefixes):
-        ids[g, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
-    inputs = torch.zeros(len(own), T, dtype=torch.long)
-    targets = torch.full((len(own), T), -1, dtype=torch.long)
-    for i, (row_inputs, row_targets) in enumerate(own):
-        inputs[i, :len(row_inputs)] = torch.tensor(row_inputs, dtype=torch.long)
-        targets[i, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.long)
-    lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
-    prefix = (ids.to(device), lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device))
-    return prefix, inputs.to(device), targets.to(device)
-
-
-def micro_batches(lengths, max_rows, max_tokens):
-    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
-    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
-    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
-    batches, batch, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
-            batches.append(batch)
-            batch, longest = [], 0
-        batch.append(i)
-        longest = max(longest, n)
-    return batches + [batch] if batch else batches
-
-
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
                              device, autocast=nullcontext(), device_batch_tokens=math.inf):
     """
@@ -259,7 +194,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # a group's rows side by side (they share one prompt pass: make_shared_batch), groups of similar prompt
     # length and rows of similar length together (less padding)
     keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
-    # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
+    # sampled tokens that are targets: mask[1:], as in loss_pass.make_batch (position 0 is never a target)
     tokens = torch.tensor(float(sum(sum(masks[i][1:]) for i in keep)), device=device)
     totals = all_reduce_sum(torch.stack([tokens, torch.tensor(float(len(keep)), device=device)]))
     normaliser = totals[0] if loss_norm == "token" else totals[1]

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_folder import config_fields, read_json, resolve_folder, safetensors_files, umask, write_config
+from loss_pass import SharedPrefix, token_nll
 
 
 @dataclass
@@ -160,136 +161,6 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def token_nll(h, weight, targets, chunk):
-    """
-    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
-    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
-    keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
-    """
-    return ChunkedNLL.apply(h, weight, targets, chunk)
-
-
-class ChunkedNLL(torch.autograd.Function):
-    """
-    forward: each chunk's logits in fp32, their log-sum-exp kept (N,) and the NLL read off; the logits dropped.
-    backward: each chunk's logits again, turned in place into d nll / d logits = softmax - onehot (times the
-    incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
-    (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
-    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
-    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
-    run in fp32, the gradients' dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
-        nll = torch.empty(h.size(0), device=h.device)
-        lse = torch.empty_like(nll)
-        for s in range(0, h.size(0), chunk):
-            logits = F.linear(h[s:s + chunk], weight).float()  # (chunk, V)
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-            nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
-        ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk = chunk
-        device = h.device.type
-        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
-        return nll
-
-    @staticmethod
-    def backward(ctx, grad_nll):
-        h, weight, targets, lse = ctx.saved_tensors
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for s in range(0, h.size(0), ctx.chunk):
-            rows = slice(s, s + ctx.chunk)
-            with torch.autocast(**ctx.autocast):
-                logits = F.linear(h[rows], weight).float()
-            grad = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
-            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
-            grad.mul_(grad_nll[rows, None])
-            if grad_h is not None:
-                grad_h[rows] = grad @ weight.to(grad.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
-        return grad_h, grad_w, None, None
-
-
-class SharedPrefix:
-    """
-    The training forward of samples that share prompts, each prompt run once: in RL the 16 samples of a
-    problem repeat its prompt, often longer than the answers (the demo's: 90 tokens against 30), and a
-    plain forward pass would run it, and backpropagate through it, 16 times.
-    Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that token's
-    position predicts the first sampled token, so it starts the row's own part). The prefixes' real
-    tokens and the rows' own tokens up to their last target go through the layers as one flat sequence
-    (1, N): no padding for the linear layers, which hold most of the FLOPs, and every layer called once
-    (FSDP gathers a layer once per call; activation checkpointing recomputes one call). A row's tokens
-    after its last target are left out: nothing they feed has a target. attend() puts the flat queries,
-    keys and values into padded (G, P) and (B, T) slots again for attention alone:
-      prefixes: causal within each prefix (its padding comes after it, so causality hides it);
-      rows: row b attends to prefix p's keys (its padding masked) and, causally, to its own.
-    Same positions, same keys as the whole sequence in one row: the same NLL up to float rounding;
-    the backward pass sums each prefix's gradient over its rows (the index_select's backward).
-    """
-
-    def __init__(self, rope, prefix_ids, lengths, row_prefix, targets):
-        (self.G, self.P), (self.B, self.T) = prefix_ids.shape, targets.shape
-        self.row_prefix = row_prefix
-        device = targets.device
-        self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]   # (G, P)
-        last_target = torch.where(targets >= 0, torch.arange(self.T, device=device), -1).amax(dim=1)
-        self.own_real = torch.arange(self.T, device=device)[None, :] <= last_target[:, None]  # (B, T)
-        # where each flat token sits in the padded layouts (row-major), and how many are prefix tokens
-        self.prefix_slots, self.own_slots = self.prefix_real.flatten().nonzero()[:, 0], self.own_real.flatten().nonzero()[:, 0]
-        self.num_prefix_tokens = self.prefix_slots.numel()
-        start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
-        positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
-                               (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
-        self.cos, self.sin = rope(positions[None])  # (1, 1, N, D)
-        prefix_keys = self.prefix_real[row_prefix]  # (B, P): the row's prefix, less its padding
-        causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
-        self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
-                               causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
-        self.folded_mask = None  # the mask with GQA's query heads folded into time (attend)
-
-    def pack(self, prefix_ids, idx):
-        """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
-        return torch.cat([prefix_ids[self.prefix_real], idx[self.own_real]])[None]
-
-    def rope_and_mask(self, N):
-        assert N == self.cos.size(2)
-        return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
-
-    def advance(self, N):
-        pass  # positions are fixed by the layout, not by a running count
-
-    def attend(self, layer, q, k, v):
-        """q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D)."""
-        H, Hkv, D = q.size(1), k.size(1), q.size(3)
-        split = self.num_prefix_tokens
-
-        def padded(x, slots, rows, width):  # flat (1, h, n, D) -> (rows, h, width, D), zeros in the padding
-            h = x.size(1)
-            out = x.new_zeros(h, rows * width, D).index_copy(1, slots, x[0])
-            return out.view(h, rows, width, D).transpose(0, 1)
-
-        def flat(y, slots):  # (rows, h, width, D) -> (h, n, D), the real slots only
-            return y.transpose(0, 1).reshape(y.size(1), -1, D).index_select(1, slots)
-
-        k_prefix, v_prefix = (padded(x[:, :, :split], self.prefix_slots, self.G, self.P) for x in (k, v))
-        q_prefix = padded(q[:, :, :split], self.prefix_slots, self.G, self.P)
-        y_prefix = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
-        k_rows, v_rows = (torch.cat([prefix.index_select(0, self.row_prefix), padded(x[:, :, split:], self.own_slots, self.B, self.T)], dim=2)
-                          for prefix, x in ((k_prefix, k), (v_prefix, v)))  # (B, Hkv, P + T, D)
-        # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
-        g = H // Hkv
-        q_rows = padded(q[:, :, split:], self.own_slots, self.B, self.T).reshape(self.B, Hkv, g * self.T, D)
-        if self.folded_mask is None:  # the same for every layer: built once
-            self.folded_mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
-        mask = self.folded_mask
-        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).reshape(self.B, H, self.T, D)
-        return torch.cat([flat(y_prefix, self.prefix_slots), flat(y_rows, self.own_slots)], dim=1)[None]
-
-
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -338,8 +209,8 @@ class GPT(nn.Module):
         or logits (B, T, V) when targets is None.
         prefix: (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for training on samples that share
         prompts: idx then holds each row's own part only, and row b continues prefix row_prefix[b] at
-        position lengths[row_prefix[b]] (see SharedPrefix); each prefix runs once. Needs targets.
-        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see token_nll).
+        position lengths[row_prefix[b]] (see loss_pass.SharedPrefix); each prefix runs once. Needs targets.
+        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see loss_pass.token_nll).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
             assert targets is not None and kv_cache is None, "prefix is for the training loss"

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, KVCache, sample_next_token
-from gpt import GPT, GPTConfig, token_nll
+from gpt import GPT, GPTConfig
+import loss_pass
 
 QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
 CONFIGS = {
@@ -208,7 +209,7 @@ def logprob_peak_child(kind, tokens, hidden, vocab):
     with open("/proc/self/clear_refs", "w") as f:  # Linux: restart the peak (VmHWM) from the current size
         f.write("5")
     if kind == "chunked":  # what GPT.forward does
-        nll = token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
+        nll = loss_pass.token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
     else:  # the previous way: all (tokens, vocab) logits at once
         nll = F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
     nll.sum().backward()
@@ -357,7 +358,7 @@ def rl_step(model, n_prompts, samples, new_tokens):
         # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
         make_shared_batch, shared, whole = chat_rl.make_shared_batch, math.inf, math.inf
         for _ in range(2):
-            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *chat_rl.make_batch(seqs, masks, device))
+            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
             try:
                 whole = min(whole, update()[0])
             finally:

@@ -22,7 +22,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from chat_rl import make_batch
+from loss_pass import make_batch
 from gpt import GPT, GPTConfig
 from tasks import arith
 from tasks.common import conversation

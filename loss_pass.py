@@ -1,0 +1,210 @@
+"""
+The loss's forward pass, laid out to waste nothing: what chat_rl's policy_gradient_backward hands the model,
+and the two pieces of the model's training pass that make it cheap.
+
+    rollouts -> make_shared_batch (each prompt once) -> micro_batches (rows and tokens bounded)
+             -> gpt.GPT.forward(..., prefix=) -> SharedPrefix (attention over the shared prompts)
+                                              -> token_nll (the NLL, chunked over tokens)
+
+make_batch lays out whole sequences, one row each: supervised training (tools/make_demo_model.py) and
+the reference the tests compare the shared layout with.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def make_batch(sequences, masks, device):
+    """Right-padded (inputs, targets), both (B, T - 1): inputs[t] predicts targets[t] = sequence[t + 1].
+    targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient.
+    (Whole sequences, one row each: what supervised training wants; RL's loss uses make_shared_batch.)"""
+    T = max(len(s) for s in sequences) - 1
+    inputs = torch.zeros(len(sequences), T, dtype=torch.long)
+    targets = torch.full((len(sequences), T), -1, dtype=torch.long)
+    for i, (seq, mask) in enumerate(zip(sequences, masks)):
+        n = len(seq) - 1
+        inputs[i, :n] = torch.tensor(seq[:-1])
+        # the target of position t is token t + 1, and it is trained only if the policy sampled it
+        targets[i, :n] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
+    return inputs.to(device), targets.to(device)
+
+
+def first_target(mask):
+    """Position of a row's first sampled token that is a target (position 0 never is); None if it has none."""
+    return next((i for i in range(1, len(mask)) if mask[i]), None)
+
+
+def make_shared_batch(sequences, masks, device):
+    """
+    make_batch's targets, laid out so that each distinct prompt is run once (SharedPrefix below): the 16
+    samples of a problem share its prompt, and the loss would otherwise run it, forward and backward,
+    16 times. A row's prompt is its tokens before its first target; its prefix is that prompt less its
+    last token, whose position predicts the first target and so starts the row's own part.
+    Returns prefix = (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for model(..., prefix=prefix),
+    and each row's own (inputs, targets) (B, T), right-padded, targets -1 where not sampled.
+    """
+    prefixes, row_prefix, own = {}, [], []
+    for seq, mask in zip(sequences, masks):
+        start = first_target(mask)
+        if start is None:  # nothing to train on: an empty prefix and one token, which the model leaves out
+            key, row = (), ([seq[0]], [-1])
+        else:
+            key, row = tuple(seq[:start - 1]), (seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])])
+        row_prefix.append(prefixes.setdefault(key, len(prefixes)))
+        own.append(row)
+    P, T = max(1, max(map(len, prefixes))), max(1, max(len(inputs) for inputs, _ in own))
+    ids = torch.zeros(len(prefixes), P, dtype=torch.long)
+    for g, prefix in enumerate(prefixes):
+        ids[g, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+    inputs = torch.zeros(len(own), T, dtype=torch.long)
+    targets = torch.full((len(own), T), -1, dtype=torch.long)
+    for i, (row_inputs, row_targets) in enumerate(own):
+        inputs[i, :len(row_inputs)] = torch.tensor(row_inputs, dtype=torch.long)
+        targets[i, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.long)
+    lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
+    prefix = (ids.to(device), lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device))
+    return prefix, inputs.to(device), targets.to(device)
+
+
+def micro_batches(lengths, max_rows, max_tokens):
+    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
+    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
+    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
+    batches, batch, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, n)
+    return batches + [batch] if batch else batches
+
+
+def token_nll(h, weight, targets, chunk):
+    """
+    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
+    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
+    keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
+    """
+    return ChunkedNLL.apply(h, weight, targets, chunk)
+
+
+class ChunkedNLL(torch.autograd.Function):
+    """
+    forward: each chunk's logits in fp32, their log-sum-exp kept (N,) and the NLL read off; the logits dropped.
+    backward: each chunk's logits again, turned in place into d nll / d logits = softmax - onehot (times the
+    incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
+    (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
+    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
+    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
+    run in fp32, the gradients' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        nll = torch.empty(h.size(0), device=h.device)
+        lse = torch.empty_like(nll)
+        for s in range(0, h.size(0), chunk):
+            logits = F.linear(h[s:s + chunk], weight).float()  # (chunk, V)
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        device = h.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        h, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.size(0), ctx.chunk):
+            rows = slice(s, s + ctx.chunk)
+            with torch.autocast(**ctx.autocast):
+                logits = F.linear(h[rows], weight).float()
+            grad = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
+            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
+            grad.mul_(grad_nll[rows, None])
+            if grad_h is not None:
+                grad_h[rows] = grad @ weight.to(grad.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
+        return grad_h, grad_w, None, None
+
+
+class SharedPrefix:
+    """
+    The training forward of samples that share prompts, each prompt run once: in RL the 16 samples of a
+    problem repeat its prompt, often longer than the answers (the demo's: 90 tokens against 30), and a
+    plain forward pass would run it, and backpropagate through it, 16 times.
+    Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that token's
+    position predicts the first sampled token, so it starts the row's own part). The prefixes' real
+    tokens and the rows' own tokens up to their last target go through the layers as one flat sequence
+    (1, N): no padding for the linear layers, which hold most of the FLOPs, and every layer called once
+    (FSDP gathers a layer once per call; activation checkpointing recomputes one call). A row's tokens
+    after its last target are left out: nothing they feed has a target. attend() puts the flat queries,
+    keys and values into padded (G, P) and (B, T) slots again for attention alone:
+      prefixes: causal within each prefix (its padding comes after it, so causality hides it);
+      rows: row b attends to prefix p's keys (its padding masked) and, causally, to its own.
+    Same positions, same keys as the whole sequence in one row: the same NLL up to float rounding;
+    the backward pass sums each prefix's gradient over its rows (the index_select's backward).
+    """
+
+    def __init__(self, rope, prefix_ids, lengths, row_prefix, targets):
+        (self.G, self.P), (self.B, self.T) = prefix_ids.shape, targets.shape
+        self.row_prefix = row_prefix
+        device = targets.device
+        self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]   # (G, P)
+        last_target = torch.where(targets >= 0, torch.arange(self.T, device=device), -1).amax(dim=1)
+        self.own_real = torch.arange(self.T, device=device)[None, :] <= last_target[:, None]  # (B, T)
+        # where each flat token sits in the padded layouts (row-major), and how many are prefix tokens
+        self.prefix_slots, self.own_slots = self.prefix_real.flatten().nonzero()[:, 0], self.own_real.flatten().nonzero()[:, 0]
+        self.num_prefix_tokens = self.prefix_slots.numel()
+        start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
+        positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
+                               (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
+        self.cos, self.sin = rope(positions[None])  # (1, 1, N, D)
+        prefix_keys = self.prefix_real[row_prefix]  # (B, P): the row's prefix, less its padding
+        causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
+        self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
+                               causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+        self.folded_mask = None  # the mask with GQA's query heads folded into time (attend)
+
+    def pack(self, prefix_ids, idx):
+        """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
+        return torch.cat([prefix_ids[self.prefix_real], idx[self.own_real]])[None]
+
+    def rope_and_mask(self, N):
+        assert N == self.cos.size(2)
+        return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
+
+    def advance(self, N):
+        pass  # positions are fixed by the layout, not by a running count
+
+    def attend(self, layer, q, k, v):
+        """q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D)."""
+        H, Hkv, D = q.size(1), k.size(1), q.size(3)
+        split = self.num_prefix_tokens
+
+        def padded(x, slots, rows, width):  # flat (1, h, n, D) -> (rows, h, width, D), zeros in the padding
+            h = x.size(1)
+            out = x.new_zeros(h, rows * width, D).index_copy(1, slots, x[0])
+            return out.view(h, rows, width, D).transpose(0, 1)
+
+        def flat(y, slots):  # (rows, h, width, D) -> (h, n, D), the real slots only
+            return y.transpose(0, 1).reshape(y.size(1), -1, D).index_select(1, slots)
+
+        k_prefix, v_prefix = (padded(x[:, :, :split], self.prefix_slots, self.G, self.P) for x in (k, v))
+        q_prefix = padded(q[:, :, :split], self.prefix_slots, self.G, self.P)
+        y_prefix = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
+        k_rows, v_rows = (torch.cat([prefix.index_select(0, self.row_prefix), padded(x[:, :, split:], self.own_slots, self.B, self.T)], dim=2)
+                          for prefix, x in ((k_prefix, k), (v_prefix, v)))  # (B, Hkv, P + T, D)
+        # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
+        g = H // Hkv
+        q_rows = padded(q[:, :, split:], self.own_slots, self.B, self.T).reshape(self.B, Hkv, g * self.T, D)
+        if self.folded_mask is None:  # the same for every layer: built once
+            self.folded_mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
+        mask = self.folded_mask
+        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).reshape(self.B, H, self.T, D)
+        return torch.cat([flat(y_prefix, self.prefix_slots), flat(y_rows, self.own_slots)], dim=1)[None]
