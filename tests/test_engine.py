@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import Engine
+from engine import Engine, compaction_moves
 from gpt import GPT, GPTConfig
 from tokenizer import ByteTokenizer
 
@@ -124,6 +124,26 @@ def test_compacting_the_batch_on_every_step_changes_no_row(model):
     assert eager == never and eager_masks == never_masks
     stopped_at = {sum(m) for m in eager_masks if sum(m) < 30}  # include_stop: a stopped row is shorter than 30 + 1
     assert len(stopped_at) >= 3, stopped_at  # rows did stop, at different steps: there was compacting to do
+
+
+def test_compaction_moves_only_finished_front_rows_and_keeps_every_live_row():
+    # live rows fill the first n_live slots; a live row already there stays put; only holes are written
+    gen = torch.Generator().manual_seed(0)
+    for n in [1, 2, 5, 16, 33]:
+        for _ in range(20):
+            live = torch.rand(n, generator=gen) < torch.rand(1, generator=gen)
+            n_live = int(live.sum())
+            if n_live in (0, n):
+                continue
+            holes, fillers, order = compaction_moves(live, n_live)
+            assert sorted(order.tolist()) == live.nonzero()[:, 0].tolist()  # every live row once, no finished one
+            for i in range(n_live):
+                assert order[i] == i or not live[i]  # a live front row is not moved
+            buffer = torch.arange(n).float()
+            buffer[holes] = buffer[fillers]  # what KVCache.keep_rows does to the keys and values
+            assert buffer[:n_live].tolist() == order.float().tolist()
+            moved = holes != fillers
+            assert int(moved.sum()) == int((~live[:n_live]).sum())  # copies: the finished front rows, no more
 
 
 def test_top_k_sampling_stays_within_the_top_k(model):

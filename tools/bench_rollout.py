@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from engine import Engine, KVCache, sample_next_token
+from engine import Engine, KVCache, compaction_moves, sample_next_token
 from gpt import GPT, GPTConfig
 import loss_pass
 
@@ -126,7 +126,8 @@ def force_stops(model, lengths, stop):
     """
     Make row r (prompt-major) sample the stop token after exactly lengths[r] tokens, and never before:
     a forward hook rewrites the logits. It follows the engine's compaction from the outside: when the batch
-    shrinks, the rows gone are the ones it made stop (a compaction drops every finished row).
+    shrinks, the rows gone are the ones it made stop (a compaction drops every finished row), and the live
+    ones moved as engine.compaction_moves moves them.
     Returns the hook's handle (.remove() it).
     """
     state = SimpleNamespace(calls=0, rows=None, stopped=set())
@@ -140,8 +141,9 @@ def force_stops(model, lengths, stop):
             return logits  # prefill: one row per prompt, never a stop at step 0
         if state.rows is None:
             state.rows = list(range(len(lengths)))
-        if logits.size(0) < len(state.rows):
-            state.rows = [r for r in state.rows if r not in state.stopped]
+        if logits.size(0) < len(state.rows):  # a compaction: the rows it made stop left, the engine's way
+            live = torch.tensor([r not in state.stopped for r in state.rows])
+            state.rows = [state.rows[i] for i in compaction_moves(live, int(live.sum()))[2].tolist()]
         assert logits.size(0) == len(state.rows), "the hook lost track of the engine's rows"
         logits[:, :, stop] = float("-inf")
         for i, r in enumerate(state.rows):
