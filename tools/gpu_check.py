@@ -1,0 +1,354 @@
+"""
+The GPU checks of the open issue, as one command: the one to run when a session is lent a GPU.
+
+    python -m tools.gpu_check 2>&1 | tee $OUT/gpu_check.txt     # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
+    python -m tools.gpu_check --quick --device-type=cpu          # the same checks on tiny shapes, ~5 s on 2 CPU cores
+    python -m tools.gpu_check --only=rollout,compile             # some checks only (names below; a prefix selects several)
+
+Checks (a model of the Qwen2.5-0.5B shape with random weights, fp32 weights under bf16 autocast, as
+chat_rl runs on CUDA; nothing is downloaded):
+    env              device, torch, CUDA, bf16 support
+    rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
+    profile          torch.profiler over a few decode steps: wall ms vs GPU-busy ms per step (launch-bound?)
+    compile_samples  compile_decode=True gives the eager engine's samples (bf16: share of rows; fp32: all of them)
+    compile_speed    compile_decode=True tokens/s on the rollout batch, against eager
+    mixed            rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
+    shared_loss      the shared-prompt loss (loss_pass.SharedPrefix, masked SDPA) against whole sequences, bf16 and fp32
+Each check runs in its own try/except: a failure prints its one-line error and the next check runs;
+the script ends with a markdown table and exits 1 if any check failed (a missed speed target is
+reported, not failed). Expected wall time on an H200 (guessed: nothing here has run on one yet):
+model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
+compile_samples ~1-2.5 min (three compiles: bf16; fp32; fp32 on a compacted batch), compile_speed
+~10-30 s (it reuses the bf16 graph), mixed ~10-30 s, shared_loss ~10 s: about 3-5 minutes in all.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+
+import loss_pass
+from engine import Engine
+from gpt import GPT, GPTConfig
+from tools import bench_rollout
+from tools.bench_rl_step import SHAPES
+
+CHECKS = ["env", "rollout", "profile", "compile_samples", "compile_speed", "mixed", "shared_loss"]
+BENCH_RL_STEP = "python -m tools.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
+
+
+def settings(device_type, quick):
+    cuda = device_type == "cuda"
+    s = SimpleNamespace(device=torch.device(device_type), cuda=cuda, quick=quick, built=None)
+    s.config = dict(bench_rollout.CONFIGS["tiny"], attention_bias=True) if quick else SHAPES["qwen2.5-0.5b"]
+    # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each (mixed: stops from min_len)
+    s.prompts, s.samples, s.prompt_len, s.new_tokens, s.min_len = (4, 4, 16, 32, 4) if quick else (16, 16, 128, 256, 16)
+    s.profile_tokens = 4 if quick else 8
+    s.compile_tokens = 8 if quick else 32  # compile_samples: the rollout batch, this many new tokens
+    # shared_loss: prompts x samples rows, prompt lengths and completion lengths drawn from these ranges
+    s.loss_batch = (3, 3, (4, 12), (2, 16)) if quick else (4, 4, (64, 128), (32, 256))
+    # weights stay fp32 and the matmuls run in bf16 on CUDA (chat_rl's setup); on CPU fp32 (bf16 there is slow)
+    bf16 = ("bf16", lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    s.precisions = [bf16, ("fp32", nullcontext)] if cuda else [("fp32", nullcontext)]
+    s.autocast = s.precisions[0][1]
+    return s
+
+
+def model_of(s):
+    """One random model shared by every check (building the 0.5B one on the CPU takes seconds)."""
+    if s.built is None:
+        t0 = time.perf_counter()
+        s.built = GPT(GPTConfig(**s.config)).init_weights(0).to(s.device)
+        print(f"  model: {s.built.num_params() / 1e6:.1f}M parameters, built in {time.perf_counter() - t0:.1f} s", flush=True)
+    return s.built.eval()
+
+
+def sync(s):
+    if s.cuda:
+        torch.cuda.synchronize()
+
+
+def timed(s, fn):
+    """(fn(), seconds), the GPU's queue drained on both sides."""
+    sync(s)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(s)
+    return out, time.perf_counter() - t0
+
+
+def verdict(s, met):
+    return ("pass" if met else "below target") if s.cuda else "ran (CPU)"  # the speed targets are an H200's
+
+
+def first_difference(a, b):
+    """Index of the first token where lists a and b differ (the shorter one's end if one is a prefix of the other), None if equal."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else i
+
+
+def compare_samples(ours, reference, prompt_len):
+    """(rows identical, rows, first step where any row differs or None) of two generate_batch outputs."""
+    diffs = [first_difference(a[prompt_len:], b[prompt_len:]) for a, b in zip(ours, reference)]
+    differing = [d for d in diffs if d is not None]
+    return len(diffs) - len(differing), len(diffs), min(differing, default=None)
+
+
+# ---- the checks: each returns (result, note) or raises --------------------------------------------
+def check_env(s):
+    print(f"  torch {torch.__version__}, python {sys.version.split()[0]}, {torch.get_num_threads()} CPU threads")
+    if not s.cuda:
+        return "pass", f"cpu, torch {torch.__version__}"
+    p = torch.cuda.get_device_properties(s.device)
+    bf16 = torch.cuda.is_bf16_supported()
+    note = (f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, bf16 {'yes' if bf16 else 'NO'}")
+    # TF32 would loosen the fp32 comparisons below (compile_samples, shared_loss); PyTorch's default is off
+    print(f"  {note}; TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}")
+    return ("pass" if bf16 else "FAIL"), note
+
+
+def check_rollout(s):
+    model = model_of(s)
+    vocab = model.config.vocab_size
+    engine = Engine(model, bench_rollout.Tokenizer(vocab))  # no stop tokens: every row makes new_tokens
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    with s.autocast():
+        (_, warm) = timed(s, lambda: engine.generate_batch(prompts, s.samples, max(2, s.new_tokens // 8), 1.0, None, seed=0))
+        if s.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        (sequences, masks), seconds = timed(s, lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1))
+    rows = s.prompts * s.samples
+    assert sum(map(sum, masks)) == rows * s.new_tokens, "rows without stop tokens stopped early"
+    tok_s = rows * s.new_tokens / seconds
+    s.eager = SimpleNamespace(tok_s=tok_s, sequences=sequences)  # compile_speed compares with these
+    peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if s.cuda else ""
+    note = f"{tok_s:,.0f} tok/s ({rows} rows x {s.new_tokens} tokens in {seconds:.2f} s{peak}; warm-up {warm:.1f} s)"
+    print("  " + note)
+    return verdict(s, tok_s >= 100_000), note + ", target >= 100,000"
+
+
+def gpu_busy_us(prof):
+    """Microseconds the GPU spent in kernels (and copies) during a profile: the device-side events' durations
+    (not the annotations that newer profilers mirror onto the GPU timeline: they span kernels already counted)."""
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+
+
+def check_profile(s):
+    model = model_of(s)
+    vocab = model.config.vocab_size
+    engine = Engine(model, bench_rollout.Tokenizer(vocab))
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    n = s.profile_tokens
+
+    def call(tokens):
+        return engine.generate_batch(prompts, s.samples, tokens, 1.0, None, seed=1)
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if s.cuda else [])
+    with s.autocast():
+        call(n)  # warm-up
+        # one token = prefill + sampling, no decode step; n tokens = the same + n - 1 decode steps: the difference is theirs
+        wall = {k: min(timed(s, lambda: call(k))[1] for _ in range(3)) for k in (1, n)}
+        busy = {}
+        for k in (1, n):
+            with torch.profiler.profile(activities=activities) as prof:
+                call(k)
+                sync(s)
+            busy[k] = gpu_busy_us(prof)
+    events = prof.key_averages()
+    key = "cpu_time_total" if not s.cuda else "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    print(events.table(sort_by=key, row_limit=15))
+    step_ms = (wall[n] - wall[1]) / (n - 1) * 1e3
+    note = f"decode step {step_ms:.2f} ms wall ({s.prompts * s.samples} rows)"
+    if s.cuda:
+        busy_ms = (busy[n] - busy[1]) / (n - 1) / 1e3
+        note += f", GPU busy {busy_ms:.2f} ms ({busy_ms / step_ms:.0%}; far below 100% = launch-bound)"
+    print("  " + note)
+    return "pass", note
+
+
+def check_compile_samples(s):
+    model = model_of(s)
+    vocab = model.config.vocab_size
+    # the rollout batch (so compile_speed reuses this check's graph: compiling a 0.5B decode step takes minutes), fewer tokens
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab, seed=2)
+    kw = dict(num_samples=s.samples, max_tokens=s.compile_tokens, temperature=1.0, seed=3)
+    notes, ok = [], True
+    for name, autocast in s.precisions:
+        # fp32 (exact) also with stops: a stop token every 16 ids, so with a random model's near-uniform logits
+        # ~6% of rows stop per step and the batch shrinks (compact_at=0: at every stop); the compiled step then runs
+        # on compacted caches too (one more compile, so bf16 keeps to the graph compile_speed needs)
+        tok = bench_rollout.Tokenizer(vocab, set(range(0, vocab, 16)) if name == "fp32" else ())
+        with autocast():
+            eager, masks = Engine(model, tok, compact_at=0.0).generate_batch(prompts, **kw)
+            (compiled, _), first = timed(s, lambda: Engine(model, tok, compact_at=0.0, compile_decode=True).generate_batch(prompts, **kw))
+        same, rows, step = compare_samples(compiled, eager, s.prompt_len)
+        stopped = sum(sum(m) < s.compile_tokens for m in masks)
+        note = f"{name}: {same}/{rows} rows identical" + (f", first difference at step {step}" if step is not None else "")
+        print(f"  {note} ({s.compile_tokens} tokens, {stopped} rows stopped early; first compiled call {first:.1f} s, "
+              f"compiling included)", flush=True)
+        notes.append(note + (f" ({stopped} rows stopped)" if stopped else ""))
+        ok &= name != "fp32" or same == rows  # bf16 may differ (kernels fuse differently); fp32 must not
+    return ("pass" if ok else "FAIL"), "; ".join(notes)
+
+
+def check_compile_speed(s):
+    model = model_of(s)
+    if getattr(s, "eager", None) is None:  # --only without rollout: measure the eager engine here
+        check_rollout(s)
+    vocab = model.config.vocab_size
+    engine = Engine(model, bench_rollout.Tokenizer(vocab), compile_decode=True)
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    call = lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1)  # noqa: E731
+    with s.autocast():
+        _, first = timed(s, call)  # the same shapes as the timed call: it compiles whatever that one needs
+        (sequences, _), seconds = timed(s, call)
+    tok_s = s.prompts * s.samples * s.new_tokens / seconds
+    same, rows, _ = compare_samples(sequences, s.eager.sequences, s.prompt_len)
+    note = (f"{tok_s:,.0f} tok/s compiled vs {s.eager.tok_s:,.0f} eager: {tok_s / s.eager.tok_s:.2f}x; "
+            f"first call {first:.1f} s (compiles what compile_samples did not); {same}/{rows} rows as eager")
+    print("  " + note)
+    return verdict(s, tok_s > s.eager.tok_s), note
+
+
+def check_mixed(s):
+    model = model_of(s)
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
+    with s.autocast():  # bench_rollout's own measurement: force_stops makes row r stop after a spread length
+        useful, mixed, full = bench_rollout.mixed_lengths(model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1)
+    note = (f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} ({useful / mixed:,.0f} useful tok/s), "
+            f"{full:.2f} s all to {s.new_tokens}")
+    print("  " + note)
+    return verdict(s, mixed / full <= 0.65), note + ", target <= 0.65x"
+
+
+def loss_rollouts(s, vocab):
+    """Prompt-major sequences and masks: prompts and completions of random tokens and lengths in the ranges of s.loss_batch."""
+    n_prompts, samples, (p_lo, p_hi), (c_lo, c_hi) = s.loss_batch
+    g = torch.Generator().manual_seed(4)
+    randint = lambda lo, hi, n=None: torch.randint(lo, hi + 1, (n or 1,), generator=g).tolist()  # noqa: E731
+    sequences, masks = [], []
+    for _ in range(n_prompts):
+        prompt = randint(0, vocab - 1, randint(p_lo, p_hi)[0])
+        for _ in range(samples):
+            completion = randint(0, vocab - 1, randint(c_lo, c_hi)[0])
+            sequences.append(prompt + completion)
+            masks.append([0] * len(prompt) + [1] * len(completion))
+    return sequences, masks
+
+
+def loss_and_grad(s, model, sequences, masks, weights, shared, autocast):
+    """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and the seconds of forward + backward."""
+    model.zero_grad(set_to_none=True)
+    if shared:  # chat_rl's layout: each prompt once (loss_pass.SharedPrefix)
+        prefix, inputs, targets = loss_pass.make_shared_batch(sequences, masks, s.device)
+    else:  # every sequence whole, one row each
+        prefix, (inputs, targets) = None, loss_pass.make_batch(sequences, masks, s.device)
+
+    def run():
+        with autocast():  # as policy_gradient_backward calls it
+            nll = model(inputs, targets, loss_reduction="none", prefix=prefix)
+        (nll * weights[:, None]).sum().backward()
+        return nll
+
+    nll, seconds = timed(s, run)
+    grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+    return nll[targets >= 0].detach(), grad, seconds
+
+
+def check_shared_loss(s):
+    model = model_of(s).train()
+    sequences, masks = loss_rollouts(s, model.config.vocab_size)
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)  # stand-in advantages
+    notes, ok = [], True
+    for name, autocast in s.precisions:
+        results = {}
+        for _ in range(1 if name == "fp32" else 2):  # the bf16 timings: the second of each layout (the first warms up)
+            for shared in (False, True):
+                results[shared] = loss_and_grad(s, model, sequences, masks, weights, shared, autocast)
+        (nll, grad, whole_s), (shared_nll, shared_grad, shared_s) = results[False], results[True]
+        assert nll.shape == shared_nll.shape, f"{nll.numel()} targets whole, {shared_nll.numel()} shared"
+        nll_diff = float((shared_nll - nll).abs().max())
+        a, b = grad.double(), shared_grad.double()
+        norm_diff = float((b.norm() - a.norm()).abs() / a.norm())
+        cosine = float(a @ b / (a.norm() * b.norm()))
+        del results, grad, shared_grad, a, b
+        note = (f"{name}: NLL max diff {nll_diff:.1e} (mean NLL {float(nll.mean()):.2f}), grad norm rel diff {norm_diff:.1e}, "
+                f"cosine {cosine:.6f}, shared/whole time {shared_s * 1e3:.0f}/{whole_s * 1e3:.0f} ms = {shared_s / whole_s:.2f}x")
+        print(f"  {note} ({len(sequences)} rows, {nll.numel()} targets)", flush=True)
+        notes.append(note)
+        # bf16 rounds differently in the two layouts (~1e-2); fp32 should agree to ~1e-5
+        ok &= cosine >= 0.99 if name == "bf16" else (cosine >= 0.9999 and nll_diff <= 1e-3 and math.isfinite(nll_diff))
+    model.zero_grad(set_to_none=True)
+    return ("pass" if ok else "FAIL"), "; ".join(notes)
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def error_line(e):
+    """'Type: message' (first line), and where it was raised: the innermost frame in this repository, and the innermost of all."""
+    frames = traceback.extract_tb(e.__traceback__)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(root)]
+    where = lambda f: f"{os.path.relpath(f.filename, root) if f in ours else f.filename}:{f.lineno}"  # noqa: E731
+    at = f" at {where(ours[-1])}" if ours else ""
+    if frames and (not ours or frames[-1] is not ours[-1]):
+        at += f" (raised in {where(frames[-1])})"
+    message = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {message}{at}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="the GPU checks, one report (see the docstring)")
+    p.add_argument("--device-type", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds")
+    p.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several: compile)")
+    args = p.parse_args(argv)
+    only = [w for w in args.only.split(",") if w]
+    unknown = [w for w in only if not any(c.startswith(w) for c in CHECKS)]
+    if unknown:
+        p.error(f"unknown checks {unknown}; known: {CHECKS}")
+    started = time.time()
+    torch.manual_seed(0)
+    s = settings(args.device_type, args.quick)
+    shape = "tiny (bench_rollout 'tiny' + qkv bias)" if args.quick else "qwen2.5-0.5b"
+    print(f"gpu_check: device {args.device_type}, shape {shape}, {'bf16 autocast' if s.cuda else 'fp32'}", flush=True)
+    rows, failed = [], False
+    for name in CHECKS:
+        if only and not any(name.startswith(w) for w in only):
+            rows.append((name, "skipped", "not in --only"))
+            continue
+        if name.startswith("compile") and not s.cuda and not only:
+            note = "torch.compile takes about a minute on a small CPU: --only=compile runs it"
+            print(f"\n== {name}: skipped ({note})")
+            rows.append((name, "skipped", note))
+            continue
+        print(f"\n== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            result, note = globals()[f"check_{name}"](s)
+        except Exception as e:  # noqa: BLE001 -- every check runs, whatever failed before it
+            result, note = "FAIL", error_line(e)
+            print(f"  FAILED: {note}", flush=True)
+        failed |= result == "FAIL"
+        seconds = time.perf_counter() - t0
+        print(f"  [{name}: {result}, {seconds:.1f} s]", flush=True)
+        rows.append((name, result, f"{note} ({seconds:.0f} s)"))
+    print(f"\n`python -m tools.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
+          f"{' --only=' + args.only if args.only else ''}`: {time.time() - started:.0f} s in all\n")
+    print("| check | result | note |\n| --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(x.replace("|", "/") for x in row) + " |")
+    if s.cuda:
+        print(f"\nalso worth running if time is left (peak memory and time of whole RL steps):\n    {BENCH_RL_STEP}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
