@@ -285,9 +285,7 @@ class Engine:
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "every prompt needs at least one token"
         T = max(lengths)
-        ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
         cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
         cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
