@@ -24,6 +24,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -159,13 +160,43 @@ def force_stops(model, lengths, stop):
     return model.register_forward_hook(hook, with_kwargs=True)
 
 
+def spread_lengths(rows, min_len, new_tokens):
+    """Completion lengths spread evenly over min_len..new_tokens, shuffled over the rows."""
+    return [min_len + (r * 7919) % (new_tokens - min_len + 1) for r in range(rows)]
+
+
+def mixed_floor(model, prompts, samples, new_tokens, top_k, min_len, tries):
+    """
+    The mixed-length ratio this machine allows: a decode step's cost, measured now at batch sizes from all
+    the rows down to one prompt's samples, summed over the mixed batch's steps as if each finished row left
+    at once and leaving cost nothing, against every row at every step. Costs between measured sizes are
+    interpolated, below the smallest they are the smallest's. Per-step costs that do not shrink with the
+    batch (small matmuls, kernel and thread overheads) put it above the lengths' share of the row-steps.
+    Returns (floor, sizes, seconds per step at each size).
+    """
+    engine = Engine(model, Tokenizer(model.config.vocab_size))  # no stop tokens
+    engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
+    steps = max(2, new_tokens // 2)
+    sizes, costs, n = [], [], len(prompts)
+    while n >= 1:  # (n tokens) - (1 token) = n - 1 decode steps, and their sampling, without the prefill
+        one = best_of(lambda: engine.generate_batch(prompts[:n], samples, 1, 1.0, top_k, seed=1), tries)
+        many = best_of(lambda: engine.generate_batch(prompts[:n], samples, steps, 1.0, top_k, seed=1), tries)
+        sizes.insert(0, n * samples)
+        costs.insert(0, (many - one) / (steps - 1))
+        n //= 2
+    lengths = spread_lengths(len(prompts) * samples, min_len, new_tokens)
+    # decode step t runs for the rows that sample a token after step t's: those longer than t
+    live = [sum(length > t for length in lengths) for t in range(new_tokens - 1)]
+    mixed = sum(float(np.interp(rows, sizes, costs)) for rows in live if rows > 0)
+    return mixed / ((new_tokens - 1) * costs[-1]), sizes, costs
+
+
 def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
     """
     Best wall time of tries runs with rows stopping at lengths spread over min_len..new_tokens, and of tries runs
     of the same batch with every row running to new_tokens, interleaved (the machine is shared).
     """
-    rows = len(prompts) * samples
-    lengths = [min_len + (r * 7919) % (new_tokens - min_len + 1) for r in range(rows)]  # spread, rows shuffled
+    lengths = spread_lengths(len(prompts) * samples, min_len, new_tokens)
     stop = model.config.vocab_size - 1
     stopping, running = Engine(model, Tokenizer(model.config.vocab_size, {stop})), Engine(model, Tokenizer(model.config.vocab_size))
     stopping.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
@@ -279,6 +310,10 @@ def main(argv=None):
         useful, mixed, full = mixed_lengths(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
         add(f"mixed lengths {len(prompts)}x{4 if quick else 16}, {4 if quick else 16}..{new_tokens} tokens",
             f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s", f"all rows to {new_tokens}: {full:.2f} s", f"{mixed / full:.2f}x", "<= 0.65x")
+        floor, sizes, costs = mixed_floor(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
+        add("mixed lengths, floor from step costs", f"{floor:.2f}x with free compactions, no finished row kept",
+            f"decode step {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, {costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
+            f"engine {mixed / full / floor:.2f}x the floor", "")
     if wanted("sampling"):  # full-vocabulary sampling against a decode step
         config = dict(CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1))
         prompts, samples = (2, 8) if quick else (16, 16)
