@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import Engine, compaction_moves
+from engine import Engine, KVCache, autocast_weights, compaction_moves, decode_step
 from gpt import GPT, GPTConfig
 from tokenizer import ByteTokenizer
 
@@ -165,3 +165,27 @@ def test_compiled_decode_step_gives_the_same_samples(model):
     eager, masks = Engine(model, stopper).generate_batch(PROMPTS[:2], **kw)
     assert compiled == eager
     assert min(sum(m) for m in masks) < 16  # some row stopped early: the compiled step ran on a shrunk batch
+
+
+def test_autocast_weights_are_autocasts_own_casts_and_change_no_logit():
+    # what the compiled decode step gets in place of the fp32 Linears under autocast: the same bf16 values
+    # autocast makes, so a decode step with them gives the eager step's logits exactly; the embedding stays fp32
+    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True)
+    model = GPT(config).init_weights(5).eval()
+    assert autocast_weights(model) == {}  # no autocast: nothing to stand in
+    logits = {}
+    for use in (False, True):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            weights = autocast_weights(model) if use else {}
+            cos, sin = model.rope(torch.arange(8)[None])
+            cache = KVCache(config.num_hidden_layers, torch.tensor([0, 1]), 4, cos[0, 0], sin[0, 0])
+            model(torch.tensor([[5, 6, 7], [0, 8, 9]]), kv_cache=cache)  # the prefill: bias rows 1's first slot as padding
+            cache.share(2)
+            logits[use] = decode_step(model, torch.tensor([1, 2, 3, 4]), cache, weights)
+        if use:
+            linears = {n for n, p in model.named_parameters(remove_duplicate=False)
+                       if isinstance(model.get_submodule(n.rsplit(".", 1)[0]), torch.nn.Linear)}
+            assert set(weights) == linears and "lm_head.weight" in weights  # every Linear, the tied head included
+            assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert torch.equal(logits[True], logits[False])
