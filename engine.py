@@ -260,28 +260,35 @@ def decode_step(model, token, cache, weights):
 def autocast_weights(model):
     """
     Under autocast, every Linear's weight and bias cast to autocast's dtype, by name: the casts autocast itself
-    makes, for the compiled decode step. Eager autocast casts each fp32 weight once per autocast block and reuses
-    the copy; a compiled graph cannot, and casts every weight at every step (a kernel per weight reading all fp32
-    weights: 4L in bf16 on this CPU, 10.8-11.0 ms a step against 9.3-9.7 with these). Same values, so the same
-    samples. Only the Linears: the embedding (tied to lm_head or not) stays fp32, as under eager autocast.
+    makes, for the compiled decode step. Eager autocast (outside inference_mode) casts each fp32 weight once per
+    autocast block and reuses the copy; a compiled graph cannot, and casts every weight at every step (a kernel
+    per weight, reading all fp32 weights: 4L at 16 rows in bf16 on this CPU, 11.0-13.4 ms a step against
+    9.8-12.1 with these). Same values: the compiled step's logits are bit for bit those it makes without them.
+    Only the Linears: the embedding (tied to lm_head or not) stays fp32, as under eager autocast. Marked static:
+    as inputs of a step compiled with dynamic=True their sizes would otherwise become symbols, and a prompt
+    length equal to one of them would cost a recompile.
     {} without autocast, or for an FSDP-sharded model (its mixed precision gathers the weights in bf16 already).
     """
     device_type = model.lm_head.weight.device.type
     if not torch.is_autocast_enabled(device_type) or is_sharded(model):
         return {}
     dtype = torch.get_autocast_dtype(device_type)
-    return {f"{name}.{p_name}": p.to(dtype) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-            for p_name, p in module.named_parameters(recurse=False)}
+    weights = {f"{name}.{p_name}": p.to(dtype) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+               for p_name, p in module.named_parameters(recurse=False)}
+    for w in weights.values():
+        torch._dynamo.mark_static(w)
+    return weights
 
 
 class Engine:
     """
     model, tokenizer: the policy and its tokenizer (stop_tokens, vocab_size).
     compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
-        its rows has finished; 0 = as soon as one has, None = never. A compaction copies only the live
-        rows that move into finished rows' slots, and only their written own slots (compaction_moves):
-        on the bench's mixed-length batch, 23 compactions cost 41-43 ms in all, against 126-218 ms when
-        every live row was copied; shrinking the batch by 1/8 saves 1/8 of every later step.
+        its rows has finished; 0 = as soon as one has, None = never. A compaction copies live rows from
+        the back into finished rows' slots, at most min(finished, live) rows and only their written own
+        slots (compaction_moves): on the bench's mixed-length batch, 23 compactions cost 41-43 ms in all,
+        against 126-218 ms when every live row was copied; shrinking the batch by 1/8 saves 1/8 of every
+        later step.
     compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
         dominate), on a KV cache whose steps all have the same shapes (KVCache static), with the Linears'
         autocast copies made once per call (autocast_weights). Off by default: not yet shown on a GPU to
@@ -295,7 +302,7 @@ class Engine:
         self.compile_decode = compile_decode
         self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one at every step
     def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
                        include_stop=False):
         """
@@ -315,7 +322,7 @@ class Engine:
         cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
 
         logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
-        weights = autocast_weights(model) if self.compile_decode else {}  # eager autocast keeps its own casts
+        weights = autocast_weights(model) if self.compile_decode else {}  # eager autocast keeps its casts (no_grad)
         cache.share(num_samples)                                      # its keys serve all its samples
         logits = logits.repeat_interleave(num_samples, dim=0)
         B = logits.size(0)

@@ -189,3 +189,15 @@ def test_autocast_weights_are_autocasts_own_casts_and_change_no_logit():
             assert set(weights) == linears and "lm_head.weight" in weights  # every Linear, the tied head included
             assert all(w.dtype == torch.bfloat16 for w in weights.values())
     assert torch.equal(logits[True], logits[False])
+
+
+def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_step(model):
+    # generate_batch runs under no_grad, not inference_mode: only then does autocast keep the bf16 copy of each
+    # fp32 weight for the rest of the call (on a GPU, one cast kernel per weight per decode step otherwise)
+    weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    n_weights = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile(record_shapes=True) as prof:
+        Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=2, max_tokens=8, seed=1)
+    weight_casts = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                    and tuple(e.input_shapes[0]) in weight_shapes]
+    assert len(weight_casts) == n_weights  # the prefill's, then none in 7 decode steps
