@@ -16,8 +16,10 @@ each in one batch:
 Sampling is by inverse CDF: every row draws one uniform number per step, all of them drawn up
 front from a seeded generator as a (rows, max_tokens) table, and the token is where that number
 falls in the row's cumulative probabilities. A row's token depends only on its own logits and its
-own uniform u[row, step], so neither finished rows, compaction, nor the other rows can change it,
-and the same seed gives the same samples. Cost: one softmax pass over the vocabulary, not one
+own uniform u[row, step], so neither finished rows, compaction, nor the other rows can change the
+number it draws, and the same seed gives the same samples. (Its logits can still move in the last
+bit with the batch's size, as any batched matmul's do; where that crosses a boundary between two
+tokens, the draw differs.) Cost: one softmax pass over the vocabulary, not one
 random number per (row, vocab) entry as the Gumbel-max trick needs.
 """
 
