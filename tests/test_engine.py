@@ -201,3 +201,27 @@ def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_step(mode
     weight_casts = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                     and tuple(e.input_shapes[0]) in weight_shapes]
     assert len(weight_casts) == n_weights  # the prefill's, then none in 7 decode steps
+
+
+def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
+    # the casts kept for a call (no_grad) leave with their autocast block, as chat_rl's loop relies on: the
+    # rollout after an optimizer step (outside the block) decodes with the new weights. Untied head: only
+    # the cast lm_head changes (inside one block the stale copy would keep the old tokens)
+    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = GPT(config).init_weights(3).eval()
+    engine = Engine(model, NoStopTokenizer())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # one object, entered once per phase, as chat_rl does
+    kw = dict(num_samples=1, max_tokens=4, temperature=0.0)
+    with autocast:
+        before, _ = engine.generate_batch(PROMPTS, **kw)
+    original = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()  # the "update": every logit 0, so greedy picks token 0 every step
+        with autocast:
+            after, _ = engine.generate_batch(PROMPTS, **kw)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(original)
+    assert all(s[-4:] != [0] * 4 for s in before) and all(s[-4:] == [0] * 4 for s in after)
