@@ -304,6 +304,24 @@ class Engine:
         self.compile_decode = compile_decode
         self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
 
+    @torch.no_grad()
+    def prefill(self, prompts, num_samples, max_tokens):
+        """
+        Steps 1-2 of generate_batch: prompts (P token-id lists) -> the logits of each row's first token
+        (P * num_samples, V), prompt-major, and the KV cache, ready for max_tokens decode steps of those rows.
+        """
+        model, device = self.model, self.model.lm_head.weight.device
+        lengths = [len(p) for p in prompts]
+        assert min(lengths) > 0, "every prompt needs at least one token"
+        T = max(lengths)
+        ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
+        pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
+        cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
+        logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
+        cache.share(num_samples)                    # its keys serve all its samples
+        return logits.repeat_interleave(num_samples, dim=0), cache
+
     @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one at every step
     def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
                        include_stop=False):
@@ -315,18 +333,8 @@ class Engine:
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        lengths = [len(p) for p in prompts]
-        assert min(lengths) > 0, "every prompt needs at least one token"
-        T = max(lengths)
-        ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
-        pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
-        cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
-
-        logits = model(ids, kv_cache=cache)[:, -1]                    # prefill once per prompt
+        logits, cache = self.prefill(prompts, num_samples, max_tokens)
         weights = autocast_weights(model) if self.compile_decode else {}  # eager autocast keeps its casts (no_grad)
-        cache.share(num_samples)                                      # its keys serve all its samples
-        logits = logits.repeat_interleave(num_samples, dim=0)
         B = logits.size(0)
         vocab = self.tokenizer.vocab_size
         # every random number of the call, drawn now: u[t, b] is row b's at step t, whatever else happens

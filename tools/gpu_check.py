@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 import loss_pass
-from engine import Engine, KVCache, autocast_weights, decode_step
+from engine import Engine, autocast_weights, decode_step
 from gpt import GPT, GPTConfig
 from tools import bench_rollout
 from tools.bench_rl_step import SHAPES
@@ -186,29 +186,20 @@ def check_profile(s):
     return "pass", note
 
 
-def teacher_forced_logits_diff(model, prompts, samples, steps, compiled_step):
+def teacher_forced_logits_diff(engine, prompts, samples, steps):
     """
-    Max |logits| difference between the compiled decode step and the eager one over `steps` steps, both fed the
-    same random tokens on caches of the same prefill: how far apart the two steps' numbers are, which sampled
-    tokens cannot show (a last-bit difference flips a draw now and then on a near-uniform 152k vocabulary).
+    Max |logits| difference between the engine's compiled decode step and the eager one over `steps` steps, both
+    fed the same random tokens on caches of the same prefill: how far apart the two steps' numbers are, which
+    sampled tokens cannot show (a last-bit difference flips a draw now and then on a near-uniform 152k vocabulary).
     """
-    device = model.lm_head.weight.device
-    T = max(map(len, prompts))
-    ids = torch.tensor(prompts, device=device)  # random_prompts: all of one length, no padding
-    cos, sin = model.rope(torch.arange(T + steps, device=device)[None])
-    caches = []
-    for _ in range(2):
-        cache = KVCache(model.config.num_hidden_layers, torch.zeros(len(prompts), dtype=torch.long, device=device),
-                        steps, cos[0, 0], sin[0, 0], static=True)
-        model(ids, kv_cache=cache)
-        cache.share(samples)
-        caches.append(cache)
+    model = engine.model
+    caches = [engine.prefill(prompts, samples, steps)[1] for _ in range(2)]  # static caches: the compiled step's kind
     weights = autocast_weights(model)
-    tokens = torch.randint(0, model.config.vocab_size, (steps, len(prompts) * samples), generator=torch.Generator().manual_seed(6)).to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (steps, len(prompts) * samples), generator=torch.Generator().manual_seed(6))
     worst = 0.0
-    for t in range(steps):
-        eager = decode_step(model, tokens[t], caches[0], weights)
-        ours = compiled_step(model, tokens[t], caches[1], weights)
+    for token in tokens.to(model.lm_head.weight.device):
+        eager = decode_step(model, token, caches[0], weights)
+        ours = engine.decode_step(model, token, caches[1], weights)
         worst = max(worst, float((ours.float() - eager.float()).abs().max()))
     return worst
 
@@ -229,7 +220,7 @@ def check_compile_samples(s):
         with torch.no_grad(), autocast():
             eager, masks = Engine(model, tok, compact_at=0.0).generate_batch(prompts, **kw)
             (compiled, _), first = timed(s, lambda: compiled_engine.generate_batch(prompts, **kw))
-            diff = teacher_forced_logits_diff(model, prompts, s.samples, 4, compiled_engine.decode_step)
+            diff = teacher_forced_logits_diff(compiled_engine, prompts, s.samples, 4)
         same, rows, step = compare_samples(compiled, eager, s.prompt_len)
         stopped = sum(sum(m) < s.compile_tokens for m in masks)
         # the verdict is on the logits: fp32 kernels that fuse differently still agree to ~1e-5; bf16 to ~1e-2
