@@ -21,16 +21,21 @@ cross-entropy) of each shape, per token, from one row of 256 tokens on the CPU w
 FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kernel, keeps O(T) per
 row, not the T x T attention matrix, so the count scales with tokens. The README's memory table is
 built from these figures.
+
+Log-prob pass (a row of tools/bench_rollout.py's table): the peak of forward + backward of lm_head and
+the per-token NLL alone, chunked as the loss runs it (loss_pass.token_nll) or all logits at once.
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 import torch
 
+import loss_pass
 from gpt import GPT, GPTConfig
 
 TWELVE_LAYERS = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -95,6 +100,29 @@ def peak_worker(checkpointing, rows, tokens):
                       "pass_peak_mib": (resident_kb("VmHWM") - before) / 1024, "saved_mib": saved.total / 2**20}))
 
 
+def logprob_peak_worker(kind, tokens, hidden, vocab):
+    """In a fresh process: peak resident memory growth (bytes) of forward + backward of lm_head + NLL over tokens."""
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
+    targets = torch.randint(0, vocab, (tokens,))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before = resident_kb("VmRSS")
+    if kind == "chunked":  # what GPT.forward does
+        nll = loss_pass.token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
+    else:  # the previous way: all (tokens, vocab) logits at once
+        nll = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets, reduction="none")
+    nll.sum().backward()
+    print((resident_kb("VmHWM") - before) * 1024)
+
+
+def logprob_peak(kind, tokens, hidden, vocab):
+    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (loss_pass.token_nll) or "unchunked"."""
+    out = subprocess.run([sys.executable, "-m", "tools.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.split()[-1])
+
+
 def peak(rows, tokens):
     print(f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, fp32, CPU), one "
           f"forward+backward of {rows} rows x {tokens} tokens, every token a target, torch {torch.__version__}")
@@ -143,8 +171,12 @@ if __name__ == "__main__":
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--logprob-worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker >= 0:
+    if args.logprob_worker:
+        kind, *sizes = args.logprob_worker.split(",")
+        logprob_peak_worker(kind, *map(int, sizes))
+    elif args.worker >= 0:
         peak_worker(bool(args.worker), args.rows, args.tokens)
     elif args.per_token:
         per_token()

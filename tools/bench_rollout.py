@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,11 +25,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from engine import Engine, KVCache, compaction_moves, sample_next_token
+from engine import Engine, compaction_moves, decode_step, sample_next_token
 from gpt import GPT, GPTConfig
 import loss_pass
+from tools import bench_memory
 
 QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
 CONFIGS = {
@@ -219,45 +218,14 @@ def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
 def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
     """Seconds of one decode step (prompts x samples rows, one token each, through the model) and of sampling its logits, top-k 0."""
     model = GPT(GPTConfig(**config)).init_weights(0).eval()
-    c = model.config
-    cos, sin = model.rope(torch.arange(prompt_len + tries + 1)[None])
-    cache = KVCache(c.num_hidden_layers, torch.zeros(prompts, dtype=torch.long), tries + 1, cos[0, 0], sin[0, 0])
-    model(torch.randint(0, c.vocab_size, (prompts, prompt_len)), kv_cache=cache)  # prefill
-    cache.share(samples)
-    token = torch.randint(0, c.vocab_size, (prompts * samples,))
+    vocab = model.config.vocab_size
+    _, cache = Engine(model, Tokenizer(vocab)).prefill(random_prompts(prompts, prompt_len, vocab), samples, tries)
+    token = torch.randint(0, vocab, (prompts * samples,))
     logits = [None]  # the last step's, (rows, V)
-    decode = best_of(lambda: logits.__setitem__(0, model(token[:, None], kv_cache=cache)[:, -1]), tries)
+    decode = best_of(lambda: logits.__setitem__(0, decode_step(model, token, cache, {})), tries)
     u = torch.rand(prompts * samples)
     sample = best_of(lambda: sample_next_token(logits[0], u, 1.0, 0), tries)
     return sample, decode
-
-
-# ---- the training log-prob pass, peak memory ---------------------------------------------------
-def logprob_peak_child(kind, tokens, hidden, vocab):
-    """In a fresh process: peak resident memory growth (bytes) of forward + backward of lm_head + NLL over tokens."""
-    h = torch.randn(tokens, hidden, requires_grad=True)
-    weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
-    targets = torch.randint(0, vocab, (tokens,))
-    before = resident_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: restart the peak (VmHWM) from the current size
-        f.write("5")
-    if kind == "chunked":  # what GPT.forward does
-        nll = loss_pass.token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
-    else:  # the previous way: all (tokens, vocab) logits at once
-        nll = F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
-    nll.sum().backward()
-    return resident_bytes("VmHWM") - before
-
-
-def resident_bytes(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def logprob_peak(kind, tokens, hidden, vocab):
-    out = subprocess.run([sys.executable, "-m", "tools.bench_rollout", f"--peak-child={kind},{tokens},{hidden},{vocab}"],
-                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return int(out.stdout.split()[-1])
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -265,12 +233,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
     p.add_argument("--only", default="", help="comma-separated rows to run: engine, mixed, sampling, logprob, rlstep (default all)")
-    p.add_argument("--peak-child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.peak_child:
-        kind, *sizes = args.peak_child.split(",")
-        print(logprob_peak_child(kind, *map(int, sizes)))
-        return 0
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
     prompt_len, new_tokens, top_k = (16, 16, 5) if quick else (96, 128, 50)
@@ -322,7 +285,7 @@ def main(argv=None):
             f"decode step {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
     if wanted("logprob"):  # the training log-prob pass
         tokens, hidden, vocab = (512, 64, 4096) if quick else (8192, 768, FULL_VOCAB)
-        chunked, unchunked = (logprob_peak(kind, tokens, hidden, vocab) for kind in ("chunked", "unchunked"))
+        chunked, unchunked = (bench_memory.logprob_peak(kind, tokens, hidden, vocab) for kind in ("chunked", "unchunked"))
         add(f"log-prob pass peak, {tokens:,} tokens, vocab {vocab:,}, width {hidden}", f"+{chunked / 2**30:.2f} GiB chunked",
             f"+{unchunked / 2**30:.2f} GiB unchunked", f"{chunked / max(unchunked, 1):.2f}x", "<= 1.5 GB")
     if wanted("rlstep"):  # one whole RL step, 4L (tiny when quick)
