@@ -67,8 +67,8 @@ class KVCache:
     def keep_rows(self, holes, fillers, order, written):
         """
         Finished rows leave: the live rows move into the first len(order) batch slots, row i now being
-        old row order[i] (compaction_moves). Only the rows that move are copied (fillers into holes), and
-        only their written own slots; the batch is then a view of the first slots of the same buffers.
+        old row order[i] (compaction_moves). Only holes are written, from their fillers (some a live row onto
+        itself), and only the written own slots; the batch is then a view of the first slots of the same buffers.
         """
         rows = torch.arange(self.row_pad.size(0), device=order.device) if self.rows is None else self.rows
         self.rows, self.row_pad = rows[order], self.row_pad[order]
