@@ -7,7 +7,8 @@ One optimizer step, as train() below runs it (a "rank" is one process of a torch
 per GPU; alone on a laptop there is one rank):
   1. take this step's problems (each rank its own share of examples_per_step);
   2. sample num_samples completions of each (the group) with engine.py, which keeps each prompt's
-     attention keys and values (its KV cache) so a token costs one forward over one position;
+     attention keys and values (its KV cache) so a token costs one forward over one position; where a
+     completion writes GSM8K's calculator call `<<48/2=`, the engine forces the result `24>>` (--tool);
   3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
      the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
@@ -50,6 +51,7 @@ from tqdm import tqdm
 import checkpoint
 import fsdp
 from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
+from calculator import calculate
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
 from loss_pass import first_target, make_shared_batch, micro_batches
@@ -73,11 +75,14 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           48,            "completion budget; a cut-off answer has no final answer: 0"),
+    max_new_tokens=     (768,                           64,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
+    # a model that never writes GSM8K's "<<expression=" samples exactly what it samples with none; one that
+    # does (fine-tuned on GSM8K's annotated solutions, or the demo's) gets the exact result forced in
+    tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
     loss_norm=          ("token",                       "token",       "token: divide by sampled tokens of the step | sequence"),
@@ -135,7 +140,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
-    out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[])
+    out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
+               tool_calls=[], tool_errors=[], tool_use=[])
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
@@ -143,15 +149,19 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
                                             temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
         out["sequences"] += seqs
         out["masks"] += masks
+        out["tool_calls"] += engine.tool_calls  # answered calls and refused ones, per completion
+        out["tool_errors"] += engine.tool_errors
         bar.update(len(seqs) // num_samples)
     bar.close()
-    for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
-        completion_ids = [t for t, m in zip(seq, mask) if m]  # mask 1 = sampled by the policy
+    for i, seq in enumerate(out["sequences"]):
+        # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
+        completion_ids = seq[len(prompts[i // num_samples]):]
         text = tokenizer.decode(completion_ids)
         terms = reward_terms(task, text, task.reference(problems[i // num_samples]), format_weight)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["tokens"].append(len(completion_ids))
+        out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
         # the budget ran out before a stop token (a completion that stopped ends with one: include_stop)
         out["truncated"].append(not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens)
@@ -253,8 +263,10 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
     right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
     mine = problems[rank::world]
-    sums = torch.zeros(k + 2, device=device)  # pass@1..k and greedy summed over problems, then the problem count
-    samples = []
+    # summed over this rank's problems, then over ranks; pass@j, greedy and greedy_tool_use are per problem,
+    # the tool's means per sampled completion
+    names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
+    totals, samples = dict.fromkeys(names, 0.0), []
     if mine:
         label = "eval" if rank == 0 else ""
         out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, seed=seed,
@@ -264,14 +276,14 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
         for g in range(len(mine)):
             correct = int(sum(out["answer"][g * k:(g + 1) * k]))
             for j in range(1, k + 1):
-                sums[j - 1] += pass_at_k(k, correct, j)
-        sums[k] = sum(greedy["answer"])
-        sums[k + 1] = len(mine)
+                totals[f"pass@{j}"] += pass_at_k(k, correct, j)
+        totals.update(greedy=sum(greedy["answer"]), greedy_tool_use=sum(greedy["tool_use"]),
+                      **{name: sum(out[name]) / k for name in ("tool_use", "tool_calls", "tool_errors")})
         samples = [dict(question=task.prompt(mine[g]), reference=task.reference(mine[g]),
                         completion=out["completions"][g * k], reward=out["total"][g * k]) for g in range(min(3, len(mine)))]
-    sums = all_reduce_sum(sums)
-    metrics = {"greedy": round(float(sums[k] / sums[k + 1]), 4)}
-    return {**metrics, **{f"pass@{j}": round(float(sums[j - 1] / sums[k + 1]), 4) for j in range(1, k + 1)}}, samples
+    sums = all_reduce_sum(torch.tensor([totals[name] for name in names] + [len(mine)], dtype=torch.float64, device=device))
+    metrics = {name: round(float(sums[i] / sums[-1]), 4) for i, name in enumerate(names)}
+    return {"greedy": metrics.pop("greedy"), **metrics}, samples
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -285,7 +297,7 @@ def train(cfg, rank, world, device):
     # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
-    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode)
+    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode, tool=calculate if cfg.tool == "calculator" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
         checkpoint.restore(state, model, optimizer, rank)
@@ -334,7 +346,7 @@ def train(cfg, rank, world, device):
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)
         eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
-        print0(console_line(row, num_steps, last_pass1, eta))
+        print0(console_line(row, num_steps, last_pass1, eta, tool=cfg.tool != "none"))
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1

@@ -104,6 +104,8 @@ def check_config(cfg, world_size):
     if cfg.num_samples < 2 or cfg.temperature == 0:
         # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
         raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
+    if cfg.tool not in ("calculator", "none"):
+        raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
     if cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
     if cfg.device_type not in ("", "cpu", "cuda", "mps"):

@@ -15,7 +15,7 @@ from flags import RunError
 
 # train-row means over every completion of every rank: metric name -> per-row list of rollout()
 MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",
-         "truncated": "truncated"}
+         "truncated": "truncated", "tool_use": "tool_use", "tool_calls": "tool_calls", "tool_errors": "tool_errors"}
 
 
 def step_metrics(step, out, t_rollout, device, world, **values):
@@ -33,9 +33,11 @@ def step_metrics(step, out, t_rollout, device, world, **values):
     return {k: _json_number(v) for k, v in row.items()}
 
 
-def console_line(row, num_steps, last_pass1, eta_s):
+def console_line(row, num_steps, last_pass1, eta_s, tool=False):
+    """One line a step; with the tool on, the share of completions that called it."""
     return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
-            f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
+            + (f"tool {row['tool_use']:.2f} | " if tool else "")
+            + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
