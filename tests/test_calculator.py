@@ -1,5 +1,6 @@
 """The calculator: exact arithmetic over plain numbers, None for anything else, never eval, always fast."""
 
+import json
 import os
 import time
 from fractions import Fraction
@@ -66,3 +67,15 @@ def test_hostile_input_returns_none_within_a_second(expression):
 
 def test_deep_but_allowed_nesting_still_evaluates():
     assert calculate("(" * 10 + "2*3" + ")" * 10) == "6"
+
+
+def test_check_calculator_counts_agreement_over_a_release_file(tmp_path, capsys):
+    from tools.check_calculator import main
+    rows = [{"question": "q", "answer": "48/2 = <<48/2=24>>24 and <<10/3=3.33>>3.33\n#### 27"},
+            {"question": "q", "answer": "<<560//10=56>>56 then <<2*3=7>>7\n#### 7"}]  # floor division, a wrong annotation
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main([str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("calculator agrees with 2 of 4 GSM8K annotations")
+    assert out[1:] == ["  <<560//10=56>>: calculate gives None", "  <<2*3=7>>: calculate gives 6"]
