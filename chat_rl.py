@@ -12,7 +12,9 @@ per GPU; alone on a laptop there is one rank):
      the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept completions);
+  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept completions), logp
+     of softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it,
+     which the loss does not model: TRL samples without top-k for this reason);
   6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
@@ -75,7 +77,7 @@ HYPERPARAMETERS = dict(
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           48,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
-    top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
+    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
     # objective
@@ -173,12 +175,13 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
-                             device, autocast=nullcontext(), device_batch_tokens=math.inf):
+                             device, autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0):
     """
     Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens).
 
         loss = -(sum over sampled tokens of logp(token) * advantage of its completion) / normaliser
 
+    logp is of softmax(logits / temperature), the distribution the rollout sampled from (top-k aside).
     The normaliser is the sampled-token count of the step's kept completions on all ranks (one
     all-reduce of two scalars), so micro-batching and the number of ranks leave the loss unchanged;
     the gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP during the
@@ -215,7 +218,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         adv = advantages[rows].to(device)
         with autocast:
             # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
-            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix)
+            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix, temperature=temperature)
         per_token = logp * adv[:, None]
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
             per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
@@ -323,7 +326,7 @@ def train(cfg, rank, world, device):
         model.train()
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
                                                       cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
-                                                      autocast, cfg.device_batch_tokens)
+                                                      autocast, cfg.device_batch_tokens, cfg.temperature)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach().clone()))
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
