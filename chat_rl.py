@@ -13,7 +13,9 @@ per GPU; alone on a laptop there is one rank):
      the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept completions);
+  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept groups), logp
+     of softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it,
+     which the loss does not model: TRL samples without top-k for this reason);
   6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
@@ -27,9 +29,12 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      used for exactly one step, so the ratio is 1 and the clip never acts; what is left is REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (DAPO-style): divide by the sampled-token count of the whole step, so
-     every token weighs the same whatever the length of its completion
-     (`--loss-norm=sequence` averages per completion first, as GRPO does).
+  4. Token-level normalisation over the kept groups (DAPO's, without its refilling of dropped groups):
+     divide by the sampled tokens, on all ranks, of the groups that carry signal, so every token weighs
+     the same whatever its completion's length, and a step keeps its size as more groups turn unanimous.
+     `--loss-norm=all_tokens` divides by every sampled token of the step (nanochat's and TRL's: dropping
+     unanimous groups then only saves compute); `--loss-norm=sequence` takes each completion's mean
+     first, then divides by the step's completions, all of them (GRPO's).
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -77,7 +82,7 @@ HYPERPARAMETERS = dict(
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           64,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
-    top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
+    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
     # a model that never writes GSM8K's "<<expression=" samples exactly what it samples with none; one that
@@ -85,7 +90,7 @@ HYPERPARAMETERS = dict(
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
-    loss_norm=          ("token",                       "token",       "token: divide by sampled tokens of the step | sequence"),
+    loss_norm=          ("kept_tokens",                 "kept_tokens", "what the loss divides by: kept_tokens (groups with signal) | all_tokens | sequence"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
@@ -183,18 +188,23 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
-                             device, autocast=nullcontext(), device_batch_tokens=math.inf):
+                             device, autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0):
     """
-    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens).
+    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens
+    of the kept groups on all ranks).
 
         loss = -(sum over sampled tokens of logp(token) * advantage of its completion) / normaliser
 
-    The normaliser is the sampled-token count of the step's kept completions on all ranks (one
-    all-reduce of two scalars), so micro-batching and the number of ranks leave the loss unchanged;
-    the gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP during the
-    backward pass). Completions of groups with all-zero advantages are dropped before any forward
-    pass; in a micro-batch, each prompt runs through the model once for all its samples
-    (make_shared_batch). Every rank joins the same collectives, whatever it kept.
+    logp is of softmax(logits / temperature), the distribution the rollout sampled from (top-k aside).
+    loss_norm names the normaliser, counted on all ranks (one all-reduce), so that micro-batching and
+    the number of ranks leave the loss unchanged:
+      kept_tokens: the sampled tokens of the kept groups (the default: DAPO's, docstring departure 4);
+      all_tokens:  every sampled token of the step, the dropped groups' too (nanochat's, TRL's);
+      sequence:    the step's completions, all of them, each one's sum first divided by its tokens (GRPO's).
+    Completions of groups with all-zero advantages add 0 and are dropped before any forward pass (under
+    all_tokens and sequence a pure saving); in a micro-batch each prompt runs once for all its samples
+    (make_shared_batch). Gradients are summed over ranks by sync_gradients (under --fsdp, by FSDP in the
+    backward pass); every rank joins the same collectives, whatever it kept.
     The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
     log-likelihood, negative whenever the policy already gives its better completions more
     probability than its worse ones; only its gradient matters.
@@ -205,11 +215,11 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # length and rows of similar length together (less padding)
     keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
     # sampled tokens that are targets: mask[1:], as in loss_pass.make_batch (position 0 is never a target)
-    tokens = torch.tensor(float(sum(sum(masks[i][1:]) for i in keep)), device=device)
-    totals = all_reduce_sum(torch.stack([tokens, torch.tensor(float(len(keep)), device=device)]))
-    normaliser = totals[0] if loss_norm == "token" else totals[1]
+    local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
+    kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
+    normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
     loss_sum = torch.zeros((), device=device)
-    if normaliser == 0:
+    if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return loss_sum, 0
     # the token budget counts rows whole (rows x longest row): with prompts shared, the linear layers see fewer
     # tokens than that, attention's padded slots at most rows x (longest prefix + longest own part)
@@ -225,14 +235,14 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         adv = advantages[rows].to(device)
         with autocast:
             # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
-            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix)
+            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix, temperature=temperature)
         per_token = logp * adv[:, None]
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
             per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
         loss = -per_token.sum() / normaliser
         loss.backward()
         loss_sum += loss.detach()
-    return loss_sum, int(totals[0])
+    return loss_sum, int(kept_tokens)
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
@@ -335,7 +345,7 @@ def train(cfg, rank, world, device):
         model.train()
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
                                                       cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
-                                                      autocast, cfg.device_batch_tokens)
+                                                      autocast, cfg.device_batch_tokens, cfg.temperature)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach().clone()))
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0

@@ -146,6 +146,8 @@ def find_resumable(cfg, world):
         raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
                           f"move it away to resume from an earlier one") from None
     saved = state["config"]
+    if saved.get("loss_norm") == "token":  # kept_tokens' name in earlier checkpoints: the same computation
+        saved = {**saved, "loss_norm": "kept_tokens"}
     differs = [k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)]
     if state.get("world_size") != world:
         differs.append(f"world size ({state.get('world_size')} -> {world})")

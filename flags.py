@@ -116,8 +116,10 @@ def check_config(cfg, world_size):
         raise ConfigError("--device-type=mps but MPS is not available on this machine")
     if cfg.fsdp and cfg.device_type == "mps":
         raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
-        raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
+    if cfg.loss_norm == "token":  # earlier versions' name for kept_tokens
+        raise ConfigError("--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too")
+    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
+        raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
         raise ConfigError(f"--model={cfg.model!r}: no such folder (and not a hub id like Qwen/Qwen2.5-0.5B-Instruct)")
 
