@@ -25,9 +25,13 @@ The verifier, grade(completion, reference), in three layers:
    dropped, \text{} units dropped (5\text{ cm} = 5), degrees are a unit (30° = 30^\circ = 30) and
    so is percent (25\% = 25, NOT 0.25: otherwise "25%" would pay for both 25 and 1/4).
    Hedges inside the box are lists, and a list never equals a single answer: "17 \text{ or } 18",
-   "17, 18", "\pm 3" all lose against 17 (resp. 3). Plain numbers compare as exact rationals
-   (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7; 0.333 != 1/3: MATH wants exact answers
-   and says so when it wants a decimal). Base-n numerals (2220_4) must match as written.
+   "17, 18", "\pm 3" all lose against 17 (resp. 3). Inside a number, a comma glued to the next
+   digits groups thousands (32,349 = 32{,}349 = 32349, 10,\!000 = 10000), but a comma then a
+   space separates items (32, 349 and 32,\! 349 are the list of 32 and 349): otherwise the list
+   would pay for the number its digits spell, and the number for the set {32, 349}. Plain
+   numbers compare as exact rationals (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7;
+   0.333 != 1/3: MATH wants exact answers and says so when it wants a decimal). Base-n numerals
+   (2220_4) must match as written.
 3. Equivalence (Math-Verify, the field's standard), in math_sandbox.equal: algebra
    (x+1)(x-2) = x^2-x-2, \sqrt8 = 2\sqrt2, sets in any order, tuples in order, intervals with
    their brackets, matrices, equations x=5 vs 5. Only answers that layers 1-2 could not settle and
@@ -228,8 +232,19 @@ def normalize(answer):
     return " ".join(s.split()).rstrip(" .,;:")
 
 
+LIST_COMMA = re.compile(r",\s")  # a comma then a space separates items: "32, 349" is two numbers
+
+
+def _compact(s):
+    """s without its spaces, except the one after a list comma: "1 000" -> "1000", but "32, 349"
+    stays apart from "32,349" (a list of two is not the number 32349)."""
+    return re.sub(r"(?<!,) ", "", s)
+
+
 def as_rational(s):
     """An exact Fraction for a plain number (-3, 1,000, 0.25, .5, 1/2, \frac{-1}{2}), else None."""
+    if LIST_COMMA.search(s):
+        return None  # a list, however its items would read glued together
     s = s.replace(" ", "")
     if len(s) > 100:
         return None
@@ -250,7 +265,7 @@ def _equivalent(pred, ref):
     p, r = normalize(pred), normalize(ref)
     if not p or not r:
         return False
-    compact_p, compact_r = p.replace(" ", ""), r.replace(" ", "")
+    compact_p, compact_r = _compact(p), _compact(r)
     if compact_p == compact_r:
         return True
     if re.search(r"[0-9]_", compact_p + " " + compact_r):  # base-n numerals: sympy drops the base

@@ -212,6 +212,36 @@ def test_grade(answer, reference, verdict):
     assert mathtask.grade(boxed(answer), reference) is verdict
 
 
+# A comma glued to the next digits groups thousands; a comma then a space separates list items.
+@pytest.mark.parametrize("answer", ["32, 349", r"32,\! 349", "32 , 349", r"32,\quad 349"])
+def test_a_comma_then_a_space_makes_a_list_not_a_number(answer):
+    assert mathtask.grade(boxed(answer), "32349") is False
+
+
+@pytest.mark.parametrize("answer", ["32,349", "32{,}349", r"32,\!349"])
+def test_a_comma_glued_to_the_digits_groups_thousands(answer):
+    assert mathtask.grade(boxed(answer), "32349") is True
+
+
+def test_plain_numbers_read_glued_thousands_exactly_and_refuse_a_spaced_list():
+    # layer 2 settles plain numbers without the sympy worker; a list must reach it whole
+    assert mathtask.as_rational("32,349") == 32349 and mathtask.as_rational("32, 349") is None
+
+
+@pytest.mark.parametrize("reference", ["32, 349", r"\{32, 349\}", "349, 32"])
+def test_a_number_does_not_pay_for_the_list_its_digits_spell(reference):
+    assert mathtask.grade(boxed("32,349"), reference) is False
+
+
+def test_a_list_does_not_pay_for_the_number_written_with_the_same_characters():
+    assert mathtask.grade(boxed("32, 349"), "32,349") is False
+
+
+@pytest.mark.parametrize("answer", ["32, 349", r"32,\! 349", "349, 32"])
+def test_a_spaced_list_still_equals_the_same_list(answer):
+    assert mathtask.grade(boxed(answer), "32, 349") is True
+
+
 GRADE_CASES = [
     (r"\boxed{1} no wait, \boxed{2}", "2", True),
     (r"\boxed{2} no wait, \boxed{1}", "2", False),   # only the last box counts
