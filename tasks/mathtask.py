@@ -26,9 +26,10 @@ The verifier, grade(completion, reference), in three layers:
    so is percent (25\% = 25, NOT 0.25: otherwise "25%" would pay for both 25 and 1/4).
    Hedges inside the box are lists, and a list never equals a single answer: "17 \text{ or } 18",
    "17, 18", "\pm 3" all lose against 17 (resp. 3). Inside a number, a comma glued to the next
-   digits groups thousands (32,349 = 32{,}349 = 32349, 10,\!000 = 10000), but a comma then a
-   space separates items (32, 349 and 32,\! 349 are the list of 32 and 349): otherwise the list
-   would pay for the number its digits spell, and the number for the set {32, 349}. Plain
+   digits groups thousands (32,349 = 32{,}349 = 32349), and so does a comma then \!, LaTeX's way
+   of taking back the space after a comma, whatever spacing follows it (10,\!000 = 10,\! 000 =
+   10000); a comma then a space separates items (32, 349 is the list of 32 and 349): otherwise
+   the list would pay for the number its digits spell, and the number for the set {32, 349}. Plain
    numbers compare as exact rationals (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7;
    0.333 != 1/3: MATH wants exact answers and says so when it wants a decimal). Base-n numerals
    (2220_4) must match as written.
@@ -198,6 +199,7 @@ TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox)\s*"
 SUBS = [  # (pattern, replacement), applied in order
     (r"\\[dt]frac(?![A-Za-z])", r"\\frac"),
     (r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])", ""),
+    (r",\s*\\!\s*", ","),                                       # 10,\!000 and 10,\! 000: thousands
     (r"\\\\|\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]",   # keep \\, drop the rest
      lambda m: m.group() if m.group() == "\\\\" else ""),
     (r"\\q?quad(?![A-Za-z])|~", " "),
