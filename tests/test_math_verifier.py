@@ -333,6 +333,21 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
     assert mathtask.grade(boxed("x+1"), "1+x")  # and the worker still serves
 
 
+# The size guard bounds b^e by e's value: a fraction in the exponent makes it smaller, not bigger.
+@pytest.mark.parametrize("answer,reference", [
+    (r"10^{\frac{\sqrt{13} - 5}{6}}", r"10^{\frac{-5+\sqrt{13}}{6}}"),
+    (r"2^{\frac{\sqrt{2}}{2}}", r"\sqrt{2}^{\sqrt{2}}"),
+])
+def test_a_power_with_a_fraction_in_its_exponent_is_compared_not_refused(answer, reference):
+    assert mathtask.grade(boxed(answer), reference) is True
+
+
+@pytest.mark.parametrize("answer", [r"2^{30000000}", r"2^{10^{7} + 1}", r"2^{3 \cdot 10^{7}}", r"2^{10^{-20000}}"])
+def test_a_power_too_big_to_compute_exactly_is_still_refused(answer):
+    parse, _ = math_sandbox._sympy_tools()  # parsing builds the tree unevaluated: cheap
+    assert math_sandbox._digits(parse(mathtask.normalize(answer)), [2000]) > math_sandbox.MAX_DIGITS
+
+
 def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
     import sympy
     import sympy.parsing.sympy_parser as sympy_parser
