@@ -5,6 +5,7 @@ model text, killing a stuck one) is tasks/math_sandbox.py, so the worker tests p
 """
 
 import builtins
+import json
 import sys
 import time
 import types
@@ -538,6 +539,14 @@ def test_a_starved_worker_is_waited_for(monkeypatch):
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True
     assert math_sandbox._worker["proc"] is old and old.poll() is None
+
+
+def test_math_verify_regression_cases_give_no_false_pass_and_only_accepted_false_fails():
+    from tools.check_math_verify_cases import CASES, check
+    with open(CASES, encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    agree, false_pass, accepted, other = check(cases)
+    assert false_pass == [] and other == [], (false_pass, other)
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------
