@@ -78,7 +78,8 @@ def rollouts(seed=0, num_groups=4):
         for _ in range(NUM_SAMPLES):
             completion = torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
             sequences.append(prompt + completion)
-            masks.append([0] * len(prompt) + [1] * len(completion))
+            # every third token after the first forced by a tool (mask 0): inside the completion, never a target
+            masks.append([0] * len(prompt) + [int(j % 3 != 1) for j in range(len(completion))])
     return sequences, masks
 
 
