@@ -1,7 +1,8 @@
 """
-Reinforcement learning on verifiable math for a chat model: "GRPO" that is really REINFORCE, the
-plain policy gradient: raise the log-probability of completions that scored above their group's
-average, lower it for those below.
+Reinforcement learning on verifiable math for a chat model, by the plain policy gradient (REINFORCE).
+
+"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their
+group's average, lower it for those below.
 
 One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
 per GPU; alone on a laptop there is one rank):

@@ -76,7 +76,7 @@ def _convert(name, value, default):
 
 
 def print_help(hyperparameters, doc):
-    print(doc.strip().split("\n")[0])
+    print(doc.strip().split("\n")[0])  # the docstring's summary line: one whole sentence (a test holds it so)
     print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
     width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
     print(f"  {'flag':<{width}} {'default':<28} {'--preset=demo':<14} meaning")

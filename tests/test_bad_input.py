@@ -155,3 +155,11 @@ def test_help_lists_every_flag(capsys):
     assert all(f"--{name.replace('_', '-')}" in out for name in chat_rl.HYPERPARAMETERS)
     lr_line = next(line for line in out.splitlines() if line.strip().startswith("--lr "))
     assert "3e-06" in lr_line and "0.0003" in lr_line  # the default and the --preset=demo value, side by side
+
+
+def test_help_opens_with_one_whole_sentence(capsys):
+    with pytest.raises(SystemExit):
+        chat_rl.main(["--help"])
+    first = capsys.readouterr().out.splitlines()[0]
+    # the docstring's first line is its whole first paragraph: nothing of the sentence is left for line 2
+    assert first.endswith(".") and first.count(". ") == 0 and chat_rl.__doc__.strip().split("\n")[1] == "", first
