@@ -11,6 +11,7 @@ boolean. Every impossible or nonsensical combination is refused with a one-line 
 import difflib
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -121,9 +122,12 @@ def check_config(cfg, world_size):
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
-        raise ConfigError(f"--model={cfg.model!r}: no such folder (and not a hub id like Qwen/Qwen2.5-0.5B-Instruct)")
+        raise ConfigError(f"--model={cfg.model!r}: no such folder (a name is downloaded as a hub id only if it "
+                          f"looks like Org/Name, e.g. Qwen/Qwen2.5-0.5B-Instruct, and no folder Org is here)")
 
 
 def _looks_like_hub_id(name):
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+    """Org/Name in the hub's characters, where Org is not a folder here: my_models/qwen with my_models/
+    present is a path with a typo in it, not a model to look for on the network."""
+    hub_shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
+    return hub_shaped and not os.path.isdir(name.split("/")[0])

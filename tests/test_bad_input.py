@@ -163,3 +163,24 @@ def test_help_opens_with_one_whole_sentence(capsys):
     first = capsys.readouterr().out.splitlines()[0]
     # the docstring's first line is its whole first paragraph: nothing of the sentence is left for line 2
     assert first.endswith(".") and first.count(". ") == 0 and chat_rl.__doc__.strip().split("\n")[1] == "", first
+
+
+def test_a_missing_folder_under_a_folder_here_is_not_taken_for_a_hub_id(capsys, no_model_loading, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_models").mkdir()  # so my_models/qwen is a path with a typo, not a hub id to download
+    code, err = run(["--model=my_models/qwen", f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and len(err) == 1 and "--model='my_models/qwen': no such folder" in err[0] and "Org/Name" in err[0], err
+
+
+def test_the_model_is_checked_before_the_out_dir(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):
+    out_dir = write_checkpoint(demo_args(model_dir, tmp_path / "run"), model_dir)  # a run a new one would overwrite
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_models").mkdir()
+    code, err = run(["--model=my_models/qwen", f"--out-dir={out_dir}"], capsys)
+    assert code == 2 and len(err) == 1 and "no such folder" in err[0], err
+
+
+def test_an_org_slash_name_with_no_folder_org_here_is_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS)
+    flags.check_config(cfg, world_size=1)  # not refused: it is downloaded when the model loads
