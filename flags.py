@@ -105,6 +105,10 @@ def check_config(cfg, world_size):
     if cfg.num_samples < 2 or cfg.temperature == 0:
         # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
         raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
+    if cfg.device_batch_tokens < cfg.max_new_tokens:
+        # a micro-batch never splits a row, so a row past the budget would run alone, over it, and slowly
+        raise ConfigError(f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
+                          f"one completion, without its prompt, may need more than a micro-batch holds")
     if cfg.tool not in ("calculator", "none"):
         raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
     if cfg.task not in TASKS:

@@ -62,6 +62,7 @@ CASES = [
     (["--task=chess"], "unknown task 'chess'"),
     (["--advantage=rank"], "--advantage is mean | zscore"),
     (["--device-type=tpu"], "unknown --device-type 'tpu'"),
+    (["--device-batch-tokens=10"], "--device-batch-tokens=10 is below --max-new-tokens=768"),
     (["--model=/no/such/folder"], "no such folder"),
     (["--model=./relative/missing"], "no such folder"),
 ]
