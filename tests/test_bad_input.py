@@ -185,3 +185,13 @@ def test_an_org_slash_name_with_no_folder_org_here_is_a_hub_id(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS)
     flags.check_config(cfg, world_size=1)  # not refused: it is downloaded when the model loads
+
+
+def test_the_refusal_to_overwrite_names_both_ways_on(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")
+    write_checkpoint(argv, model_dir)
+    (tmp_path / "run-2").mkdir()  # taken: the folder offered must be one no run has
+    code, err = run(argv, capsys)
+    assert code == 2 and len(err) == 1 and "the same command plus --resume" in err[0], err
+    assert err[0].endswith(f"add --out-dir={tmp_path / 'run-3'}"), err
+
