@@ -162,7 +162,11 @@ def find_resumable(cfg, world):
         differs.append(f"world size ({state.get('world_size')} -> {world})")
     if differs:
         detail = ", ".join(f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs)
-        raise ConfigError(f"checkpoint {path} was made with different settings: {detail}")
+        hint = ""
+        if {"num_steps", "num_epochs"} & set(differs):  # the learning rate decays to 0 over the run's length
+            hint = (f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
+                    f"start a new run with --model={path} and a new --out-dir")
+        raise ConfigError(f"checkpoint {path} was made with different settings: {detail}{hint}")
     state["model_dir"] = path
     return state["step"], state
 

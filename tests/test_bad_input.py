@@ -195,3 +195,10 @@ def test_the_refusal_to_overwrite_names_both_ways_on(capsys, no_model_loading, t
     assert code == 2 and len(err) == 1 and "the same command plus --resume" in err[0], err
     assert err[0].endswith(f"add --out-dir={tmp_path / 'run-3'}"), err
 
+
+def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")  # --num-steps=2
+    out_dir = write_checkpoint(argv, model_dir)
+    code, err = run(argv + ["--resume", "--num-steps=4"], capsys)
+    assert code == 2 and len(err) == 1 and "num_steps (2 -> 4)" in err[0], err
+    assert err[0].endswith(f"start a new run with --model={out_dir}/step_000001 and a new --out-dir"), err
