@@ -202,3 +202,9 @@ def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(capsys,
     code, err = run(argv + ["--resume", "--num-steps=4"], capsys)
     assert code == 2 and len(err) == 1 and "num_steps (2 -> 4)" in err[0], err
     assert err[0].endswith(f"start a new run with --model={out_dir}/step_000001 and a new --out-dir"), err
+
+
+def test_mps_on_a_machine_without_it_is_refused_in_one_line(capsys, no_model_loading, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # so a Mac with MPS sees the same
+    code, err = run(["--device-type=mps", f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and err == ["chat_rl: error: --device-type=mps but MPS is not available on this machine"], err
