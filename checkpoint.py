@@ -118,7 +118,7 @@ def resume_point(cfg, world, device, restarted=False):
     resume = cfg.resume or restarted
     if not resume and has_run(cfg.out_dir):
         raise ConfigError(f"{cfg.out_dir} already holds a run, which a new one would overwrite: to continue it, give the "
-                          f"same command plus --resume; to start another, add --out-dir={_free_folder(cfg.out_dir)}")
+                          f"same command plus --resume; to start another, pass --out-dir={_free_folder(cfg.out_dir)}")
     start_step, state = find_resumable(cfg, world) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
         found = torch.tensor([start_step, -start_step], device=device)

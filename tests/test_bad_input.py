@@ -193,7 +193,7 @@ def test_the_refusal_to_overwrite_names_both_ways_on(capsys, no_model_loading, t
     (tmp_path / "run-2").mkdir()  # taken: the folder offered must be one no run has
     code, err = run(argv, capsys)
     assert code == 2 and len(err) == 1 and "the same command plus --resume" in err[0], err
-    assert err[0].endswith(f"add --out-dir={tmp_path / 'run-3'}"), err
+    assert err[0].endswith(f"pass --out-dir={tmp_path / 'run-3'}"), err
 
 
 def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(capsys, no_model_loading, tmp_path, model_dir):
