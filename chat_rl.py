@@ -1,7 +1,8 @@
 """
-Reinforcement learning on verifiable math for a chat model: "GRPO" that is really REINFORCE, the
-plain policy gradient: raise the log-probability of completions that scored above their group's
-average, lower it for those below.
+Reinforcement learning on verifiable math for a chat model, by the plain policy gradient (REINFORCE).
+
+"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their
+group's average, lower it for those below.
 
 One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
 per GPU; alone on a laptop there is one rank):
@@ -62,7 +63,7 @@ from calculator import calculate
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
 from loss_pass import first_target, make_shared_batch, micro_batches
-from metrics import MetricsLog, check_nonfinite, console_line, step_metrics
+from metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
 from tasks.common import conversation, get_task, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
@@ -365,8 +366,7 @@ def train(cfg, rank, world, device):
             last_saved = step + 1
     if step != last_saved:  # a stop right after a save (or a resume) has nothing new to write
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
-    print0(f"{'stopped' if step < num_steps else 'done'} at step {step}/{num_steps} after "
-           f"{(time.time() - t_start) / 60:.1f} min; checkpoint in {cfg.out_dir}")
+    print0(stop_line(step, num_steps, (time.time() - t_start) / 60, cfg.out_dir))
     log.close()
     return 0
 
