@@ -88,8 +88,7 @@ HYPERPARAMETERS = dict(
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
-    # a model that never writes GSM8K's "<<expression=" samples exactly what it samples with none; one that
-    # does (fine-tuned on GSM8K's annotated solutions, or the demo's) gets the exact result forced in
+    # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
@@ -209,9 +208,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     all_tokens and sequence a pure saving); in a micro-batch each prompt runs once for all its samples
     (make_shared_batch). Gradients are summed over ranks by sync_gradients (under --fsdp, by FSDP in the
     backward pass); every rank joins the same collectives, whatever it kept.
-    The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
-    log-likelihood, negative whenever the policy already gives its better completions more
-    probability than its worse ones; only its gradient matters.
+    The loss's value is a diagnostic, negative once better completions are the likelier: only its gradient matters.
     """
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
@@ -322,8 +319,9 @@ def train(cfg, rank, world, device):
            f"device={device.type} steps={start_step}->{num_steps} out={cfg.out_dir}")
     stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
-    step, last_saved, nonfinite_in_row, t_start = start_step, start_step if state else -1, 0, time.time()
-    for step in range(start_step, num_steps + 1):
+    last_saved = start_step if state else -1  # the step of the newest checkpoint: none is written twice
+    step, nonfinite_in_row, t_start = start_step, 0, time.time()
+    for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates the final weights
         if stop.requested(device):
             break
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps):
@@ -338,7 +336,7 @@ def train(cfg, rank, world, device):
             break
         t0 = time.time()
         problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1.
-        model.eval()
+        model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
         with autocast, fsdp.gathered(model):                                                            # 2-3.
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
@@ -351,7 +349,7 @@ def train(cfg, rank, world, device):
                                                       cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
                                                       autocast, cfg.device_batch_tokens, cfg.temperature)
         sync_gradients(model)                                                                           # 6.
-        loss = float(all_reduce_sum(loss.detach().clone()))
+        loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, valid_tokens)
         nonfinite_in_row = check_nonfinite(finite, valid_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
