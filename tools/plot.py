@@ -83,22 +83,24 @@ def figure(out_dirs):
         draw(axes[0, 0], steps, running_mean(rewards, SMOOTH), label=label)
         ks = sorted({int(k[5:]) for r in evals for k in r if k.startswith("pass@")})
         eval_steps = [r["step"] for r in evals]
-        for k, style in ((ks[0], "-"), (ks[-1], "--")) if ks else ():  # the headline pass@1 and the widest pass@k
+        # the headline pass@1 and the widest pass@k; one legend entry per run (the title says which line is which,
+        # so the legend stays small enough to leave the curves' ends in view)
+        for k, style in ((ks[0], "-"), (ks[-1], "--")) if ks else ():
             draw(axes[0, 1], eval_steps, [r.get(f"pass@{k}", float("nan")) for r in evals], style, marker="o", ms=3,
-                 label=f"{label} pass@{k}")
+                 label=label if style == "-" else None)
         greedy = [r for r in evals if "greedy" in r]
         if greedy:
             has_greedy = True
-            draw(axes[0, 1], [r["step"] for r in greedy], [r["greedy"] for r in greedy], ":", marker="s", ms=3,
-                 label=f"{label} greedy")
+            draw(axes[0, 1], [r["step"] for r in greedy], [r["greedy"] for r in greedy], ":", marker="s", ms=3)
         draw(axes[1, 0], steps, [r["seq_len"] for r in train], alpha=0.7, label=label)
-        if any("tool_use" in r for r in train):
-            draw(axes[1, 1], steps, running_mean([r.get("tool_use", 0.0) for r in train], SMOOTH), label=f"{label} tool use")
-        draw(axes[1, 1], steps, [r.get("truncated", 0.0) for r in train], "--", label=f"{label} truncated")
+        has_tool = any("tool_use" in r for r in train)
+        if has_tool:
+            draw(axes[1, 1], steps, running_mean([r.get("tool_use", 0.0) for r in train], SMOOTH), label=label)
+        draw(axes[1, 1], steps, [r.get("truncated", 0.0) for r in train], "--", label=None if has_tool else label)
     titles = [f"mean reward (train): per step (faint) and running mean of {SMOOTH} steps",
-              "held-out pass@1 and pass@k (temperature 1.0)" + (", greedy (dotted)" if has_greedy else ""),
+              "held-out pass@1 (solid), widest pass@k (dashed), T = 1.0" + ("; greedy (dotted)" if has_greedy else ""),
               "mean completion tokens",
-              f"share of completions: calling the calculator (running mean of {SMOOTH}), truncated (dashed)"]
+              f"completions calling the calculator (mean of {SMOOTH} steps), truncated (dashed)"]
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
@@ -112,7 +114,7 @@ def figure(out_dirs):
             ax.set_ylim(-0.03 * top, top)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="lower right" if ax is axes[0, 1] else "best")
     fig.tight_layout()
     return fig
 
