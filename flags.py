@@ -33,7 +33,11 @@ class ConfigError(RunError):
 def parse_config(argv, hyperparameters, doc=""):
     """Flags over the chosen column of hyperparameters; unknown names and bad values raise ConfigError."""
     if "--help" in argv or "-h" in argv:
-        print_help(hyperparameters, doc)
+        try:
+            print_help(hyperparameters, doc)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--help | head` closed the pipe: what it read is all that was wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         sys.exit(0)
     flags, i = {}, 0
     while i < len(argv):

@@ -4,6 +4,9 @@ written is announced, and the last line says how to go on."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -68,3 +71,11 @@ def test_a_run_ends_with_its_stop_line(tmp_path, capsys):
     done, how = capsys.readouterr().out.splitlines()[-2:]
     assert done.startswith("done at step 1/1 after ") and done.endswith(f"min; checkpoint in {out_dir}/step_000001")
     assert how == stop_line(1, 1, 0.0, str(out_dir)).splitlines()[1]
+
+
+def test_help_piped_into_head_ends_quietly():
+    # `--help | head` closes the pipe early: the reader got what it wanted, so no BrokenPipeError traceback
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(f"{sys.executable} -m chat_rl --help | head -1", shell=True, cwd=repo, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.startswith("Reinforcement learning") and result.stderr == ""
