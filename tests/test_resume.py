@@ -49,7 +49,7 @@ def model_dir():
 def args(model_dir, out_dir):
     return ["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=5", "--examples-per-step=2",
             "--num-samples=4", "--max-new-tokens=40", "--eval-every=2", "--eval-examples=4", "--eval-samples=2",
-            "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=0.01"]
+            "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=1e-3"]
 
 
 def launch(argv, where="none", at=-1, sig="SIGKILL"):
@@ -72,9 +72,13 @@ def reference(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = launch(args(model_dir, out))
     assert result.returncode == 0, result.stderr[-2000:]
+    # an update at every step, before and after each resume point: what a resumed run must restore (the
+    # optimizer's moments, its step count) shows only in the updates it takes after resuming
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "split" not in r and r["valid_tokens"] > 0] == [0, 1, 2, 3, 4]
     start, end = load_file(os.path.join(model_dir, "model.safetensors")), final_weights(out)
     assert any(not torch.equal(start[k], end[k]) for k in start), "the reference run never updated the weights"
-    return metrics(out), end
+    return rows, end
 
 
 @pytest.mark.parametrize("where,at", [("metrics", 0), ("metrics", 2), ("save", 3), ("save", 5)],
