@@ -49,6 +49,15 @@ def test_zscore_advantages_divide_by_group_std():
     assert adv.tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)])
 
 
+@pytest.mark.parametrize("kind", ["mean", "zscore"])
+def test_a_group_of_equal_rewards_gets_advantage_exactly_zero_whatever_their_value(kind):
+    # the float32 mean of 16 x 0.1 (a format bonus alone) is not exactly 0.1: r - mean(r) would be ~1e-8,
+    # and the group would look live to the loss: a forward and backward pass for a gradient of rounding noise
+    rewards = torch.tensor([0.1] * 16 + [0.7] * 16 + [1.0] * 8 + [0.0] * 8)
+    adv = chat_rl.compute_advantages(rewards, num_samples=16, kind=kind)
+    assert torch.all(adv[:32] == 0) and torch.all(adv[32:] != 0)
+
+
 def test_loss_equals_hand_computed_value():
     # group 0 rewards [1, 0] -> advantages [+0.5, -0.5]; group 1 rewards [1, 1] -> [0, 0], skipped.
     # valid completion tokens of the step's kept rows: 3 + 2 = 5 (group 1's rows carry no gradient)
