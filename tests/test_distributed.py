@@ -48,11 +48,12 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
         if rank == dead_rank:
             adv = torch.zeros_like(adv)  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
-        chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+        loss, tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
         sync_gradients(model)
         if step == 0:
             torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"grad{rank}.pt"))
-        opt.step()
+            torch.save(tokens, os.path.join(out_dir, f"tokens{rank}.pt"))
+        chat_rl.optimizer_step(model, opt, 1e-2, 0.0, float(loss), tokens)  # as train() steps: it may skip the update
     torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(out_dir, f"params{rank}.pt"))
     dist.destroy_process_group()
 
@@ -60,29 +61,31 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
 def run_two_ranks(tmp_path, dead_rank=-1):
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), dead_rank), nprocs=2, join=True,
                        start_method="spawn")
-    return [torch.load(tmp_path / f"grad{r}.pt") for r in range(2)], [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    return ([torch.load(tmp_path / f"grad{r}.pt") for r in range(2)], [torch.load(tmp_path / f"params{r}.pt") for r in range(2)],
+            [torch.load(tmp_path / f"tokens{r}.pt") for r in range(2)])
 
 
 def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
-    grads, _ = run_two_ranks(tmp_path)
+    grads, _, tokens = run_two_ranks(tmp_path)
     model = model_for_test()
     union = [groups_for(r, 0) for r in range(2)]
     seqs = union[0][0] + union[1][0]
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+    _, union_tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+    assert tokens == [union_tokens, union_tokens]  # every rank reports the step's sampled tokens, all ranks together
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name
 
 
 def test_parameters_stay_identical_on_both_ranks(tmp_path):
-    _, params = run_two_ranks(tmp_path)
+    _, params, _ = run_two_ranks(tmp_path)
     assert torch.equal(params[0], params[1])
 
 
 def test_a_rank_with_no_live_groups_does_not_hang_and_stays_in_sync(tmp_path):
-    _, params = run_two_ranks(tmp_path, dead_rank=1)
+    _, params, _ = run_two_ranks(tmp_path, dead_rank=1)
     assert torch.equal(params[0], params[1])
     assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in model_for_test().parameters()]))
 
@@ -130,6 +133,8 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [r for r in rows if "split" not in r]
     assert [r["step"] for r in train] == [0, 1] and all(r["valid_tokens"] > 0 for r in train)
+    for r in train:  # means over both ranks' completions
+        assert 0 <= r["reward"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1 and 0 < r["seq_len"] <= 40
     assert [r["step"] for r in rows if r.get("split") == "eval"] == [0, 2]
     # each rank its own half of each step's problems
     problems = [json.load(open(tmp_path / f"problems{r}.json")) for r in range(2)]
