@@ -81,15 +81,18 @@ def reference(model_dir, tmp_path_factory):
     return rows, end
 
 
-@pytest.mark.parametrize("where,at", [("metrics", 0), ("metrics", 2), ("save", 3), ("save", 5)],
+# resumes_at: the latest complete checkpoint when the kill came (none yet after step 0: step_000001 is
+# written after that step's metrics row; a checkpoint killed before its rename does not count)
+@pytest.mark.parametrize("where,at,resumes_at", [("metrics", 0, 0), ("metrics", 2, 2), ("save", 3, 2), ("save", 5, 4)],
                          ids=["after-first-step", "mid-run", "mid-checkpoint-write", "mid-final-checkpoint"])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, model_dir, reference, tmp_path):
+def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, resumes_at, model_dir, reference, tmp_path):
     out = tmp_path / "run"
     killed = launch(args(model_dir, out), where, at)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not any(d.startswith("step_") and not os.path.exists(out / d / "trainer_state.pt") for d in os.listdir(out))
     resumed = launch(args(model_dir, out) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f" steps={resumes_at}->5 " in resumed.stdout  # from the latest complete checkpoint, not an older one
     ref_metrics, ref_weights = reference
     assert metrics(out) == ref_metrics
     weights = final_weights(out)
