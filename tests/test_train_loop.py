@@ -75,3 +75,12 @@ def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
     assert [r["valid_tokens"] for r in train] == [0, 0]
     start, end = load_file(os.path.join(REPO, "demo_model", "model.safetensors")), load_file(tmp_path / "step_000002" / "model.safetensors")
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+@pytest.mark.parametrize("flag", ["--advantage=zscore", "--loss-norm=sequence"])
+def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
+    # step 0 samples the same completions under any objective (same weights, same seeds): only the loss differs
+    _, train, _ = demo_run
+    first = run(tmp_path, flag, "--num-steps=1", "--eval-every=-1")[0][0]
+    assert first["reward"] == train[0]["reward"] and first["valid_tokens"] == train[0]["valid_tokens"]
+    assert first["loss"] != pytest.approx(train[0]["loss"], rel=1e-3)
