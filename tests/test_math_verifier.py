@@ -294,7 +294,7 @@ rationals = st.one_of(st.integers(-10**7, 10**7).map(Fraction), st.builds(Fracti
 
 
 def as_latex(q):
-    """A number as MATH references write it: 7, -3, \frac{3}{8}, -\frac{1}{2}."""
+    r"""A number as MATH references write it: 7, -3, \frac{3}{8}, -\frac{1}{2}."""
     if q.denominator == 1:
         return str(q.numerator)
     return ("-" if q < 0 else "") + f"\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
