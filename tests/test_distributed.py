@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 import chat_rl
 from distributed import sync_gradients
@@ -47,11 +48,12 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
         if rank == dead_rank:
             adv = torch.zeros_like(adv)  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
-        chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
+        loss, tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
         sync_gradients(model)
         if step == 0:
             torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"grad{rank}.pt"))
-        opt.step()
+            torch.save(tokens, os.path.join(out_dir, f"tokens{rank}.pt"))
+        chat_rl.optimizer_step(model, opt, 1e-2, 0.0, float(loss), tokens)  # as train() steps: it may skip the update
     torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(out_dir, f"params{rank}.pt"))
     dist.destroy_process_group()
 
@@ -59,47 +61,89 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
 def run_two_ranks(tmp_path, dead_rank=-1):
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), dead_rank), nprocs=2, join=True,
                        start_method="spawn")
-    return [torch.load(tmp_path / f"grad{r}.pt") for r in range(2)], [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    return ([torch.load(tmp_path / f"grad{r}.pt") for r in range(2)], [torch.load(tmp_path / f"params{r}.pt") for r in range(2)],
+            [torch.load(tmp_path / f"tokens{r}.pt") for r in range(2)])
 
 
 def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
-    grads, _ = run_two_ranks(tmp_path)
+    grads, _, tokens = run_two_ranks(tmp_path)
     model = model_for_test()
     union = [groups_for(r, 0) for r in range(2)]
     seqs = union[0][0] + union[1][0]
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
+    _, union_tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
+    assert tokens == [union_tokens, union_tokens]  # every rank reports the step's sampled tokens, all ranks together
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name
 
 
 def test_parameters_stay_identical_on_both_ranks(tmp_path):
-    _, params = run_two_ranks(tmp_path)
+    _, params, _ = run_two_ranks(tmp_path)
     assert torch.equal(params[0], params[1])
 
 
 def test_a_rank_with_no_live_groups_does_not_hang_and_stays_in_sync(tmp_path):
-    _, params = run_two_ranks(tmp_path, dead_rank=1)
+    _, params, _ = run_two_ranks(tmp_path, dead_rank=1)
     assert torch.equal(params[0], params[1])
     assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in model_for_test().parameters()]))
 
 
-def test_torchrun_two_ranks_runs_the_demo(tmp_path):
-    model_dir = tmp_path / "model"
-    model_for_test().save_pretrained(str(model_dir))
-    ByteTokenizer().save_pretrained(str(model_dir))
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "chat_rl",
-           "--preset=demo", f"--model={model_dir}", f"--out-dir={out}", "--device-type=cpu", "--num-steps=2",
-           "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=8", "--eval-every=1",
-           "--eval-examples=6", "--eval-samples=2"]
+# chat_rl under torchrun, recording on each rank the problems of every training rollout and the weights
+# each checkpoint is written from
+RUNNER = r"""
+import json, os, sys
+import torch
+import chat_rl, checkpoint
+rank, dump = os.environ["RANK"], os.environ["DUMP_DIR"]
+rollout, evaluate, save = chat_rl.rollout, chat_rl.evaluate, checkpoint.save
+trained_on, evaluating = [], []
+def recording_evaluate(*args, **kwargs):
+    evaluating.append(True)
+    try:
+        return evaluate(*args, **kwargs)
+    finally:
+        evaluating.pop()
+def recording_rollout(engine, task, problems, *args, **kwargs):
+    if not evaluating:
+        trained_on.append([task.prompt(p) for p in problems])
+    return rollout(engine, task, problems, *args, **kwargs)
+def recording_save(cfg, step, model, *args, **kwargs):
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(dump, f"weights{rank}.pt"))
+    return save(cfg, step, model, *args, **kwargs)
+chat_rl.rollout, chat_rl.evaluate, checkpoint.save = recording_rollout, recording_evaluate, recording_save
+code = chat_rl.main()
+json.dump(trained_on, open(os.path.join(dump, f"problems{rank}.json"), "w"))
+sys.exit(code)
+"""
+
+
+def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_weights(tmp_path):
+    # the demo model: its groups disagree, so both steps update and the ranks have weights to agree on
+    out, runner = tmp_path / "run", tmp_path / "runner.py"
+    runner.write_text(RUNNER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(runner),
+           "--preset=demo", f"--out-dir={out}", "--device-type=cpu", "--num-steps=2", "--examples-per-step=4",
+           "--num-samples=4", "--max-new-tokens=40", "--eval-every=2", "--eval-examples=4", "--eval-samples=2"]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo, "DUMP_DIR": str(tmp_path)}
     result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "split" not in r] == [0, 1]
-    assert [r["step"] for r in rows if r.get("split") == "eval"] == [0, 1, 2]
-    assert (out / "step_000002" / "model.safetensors").exists()
+    train = [r for r in rows if "split" not in r]
+    assert [r["step"] for r in train] == [0, 1] and all(r["valid_tokens"] > 0 for r in train)
+    for r in train:  # means over both ranks' completions
+        assert 0 <= r["reward"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1 and 0 < r["seq_len"] <= 40
+    assert [r["step"] for r in rows if r.get("split") == "eval"] == [0, 2]
+    # each rank its own half of each step's problems
+    problems = [json.load(open(tmp_path / f"problems{r}.json")) for r in range(2)]
+    for step in range(2):
+        mine, theirs = problems[0][step], problems[1][step]
+        assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs)
+    assert problems[0][0] != problems[0][1]
+    # gradients summed over ranks: one update, the same on both, away from the start
+    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    start = load_file(os.path.join(repo, "demo_model", "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert any(not torch.equal(weights[0][k], start[k]) for k in start)

@@ -24,6 +24,22 @@ def model():
     return GPT(config).init_weights(3).eval()
 
 
+@pytest.fixture(scope="module")
+def wide_model(model):
+    """The same shape with wide random weights: its greedy continuations depend on the whole prompt. (The
+    small-init model above repeats its last token whatever came before it, so its greedy output cannot
+    tell an engine that attends to the prompt from one that does not.)"""
+    wide = GPT(model.config).init_weights(3).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in wide.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
+    tok = ByteTokenizer()
+    same_last_token = [reference_greedy(wide, p, 4, tok.stop_tokens, tok.vocab_size)[len(p):] for p in ([256, 50, 33], [256, 72, 33])]
+    assert same_last_token[0] != same_last_token[1]
+    return wide
+
+
 PROMPTS = [[256, 72, 105, 33], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256, 50]]
 
 
@@ -40,16 +56,16 @@ def reference_greedy(model, prompt, max_tokens, stop_tokens, vocab):
     return ids
 
 
-def test_greedy_output_equals_no_cache_reference(model):
+def test_greedy_output_equals_no_cache_reference(wide_model):
     tok = ByteTokenizer()
-    seqs, masks = Engine(model, tok).generate_batch(PROMPTS, num_samples=1, max_tokens=24, temperature=0.0)
+    seqs, masks = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=1, max_tokens=24, temperature=0.0)
     for prompt, seq, mask in zip(PROMPTS, seqs, masks):
-        assert seq == reference_greedy(model, prompt, 24, tok.stop_tokens, tok.vocab_size)
+        assert seq == reference_greedy(wide_model, prompt, 24, tok.stop_tokens, tok.vocab_size)
         assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
 
 
-def test_batching_prompts_gives_the_same_greedy_output_as_one_at_a_time(model):
-    engine = Engine(model, ByteTokenizer())
+def test_batching_prompts_gives_the_same_greedy_output_as_one_at_a_time(wide_model):
+    engine = Engine(wide_model, ByteTokenizer())
     batched, _ = engine.generate_batch(PROMPTS, num_samples=2, max_tokens=20, temperature=0.0)
     for i, prompt in enumerate(PROMPTS):
         alone, _ = engine.generate_batch([prompt], num_samples=1, max_tokens=20, temperature=0.0)
@@ -69,11 +85,21 @@ def test_same_seed_same_samples_other_seed_other_samples(model):
     assert a == b and a != c
 
 
-def test_results_are_prompt_major(model):
-    seqs, _ = Engine(model, ByteTokenizer()).generate_batch(PROMPTS, num_samples=3, max_tokens=4, temperature=1.0)
+def test_results_are_prompt_major_with_mask_1_on_the_sampled_tokens(wide_model):
+    # rows 3i .. 3i+2 are prompt i's samples: the prompt (mask 0), then the tokens sampled after it (mask 1)
+    tok = ByteTokenizer()
+    seqs, masks = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=3, max_tokens=4, temperature=1.0, seed=3)
+    assert len(seqs) == len(masks) == 3 * len(PROMPTS)
     for i, prompt in enumerate(PROMPTS):
-        for s in seqs[3 * i:3 * i + 3]:
-            assert s[:len(prompt)] == prompt
+        for seq, mask in zip(seqs[3 * i:3 * i + 3], masks[3 * i:3 * i + 3]):
+            assert seq[:len(prompt)] == prompt and len(seq) - len(prompt) <= 4
+            assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
+    # and the tokens after prompt i were sampled from prompt i's distribution: at top-k 1 every row of a
+    # group is its prompt's greedy continuation (the prompts' continuations all differ)
+    top1, _ = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=3, max_tokens=6, temperature=1.0, top_k=1, seed=3)
+    greedy = [reference_greedy(wide_model, prompt, 6, tok.stop_tokens, tok.vocab_size) for prompt in PROMPTS]
+    assert len({tuple(g[len(p):]) for g, p in zip(greedy, PROMPTS)}) == len(PROMPTS)
+    assert top1 == [g for g in greedy for _ in range(3)]
 
 
 def test_without_stop_tokens_every_row_gets_exactly_max_tokens(model):

@@ -2,6 +2,7 @@
 
 import builtins
 import threading
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -170,6 +171,81 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     assert isinstance(gsm8k.format_ok(completion), bool)
     answer = gsm8k.extract_answer(completion)
     assert answer is None or isinstance(answer, str)
+
+
+# ---- verdicts, as properties over random numbers ----------------------------------------------------
+@st.composite
+def numbers(draw):
+    """(value, plain): a random decimal number as a Fraction and as a plain '-?digits(.digits)?' string."""
+    whole, frac, negative = draw(st.integers(0, 10**9)), draw(st.text("0123456789", max_size=3)), draw(st.booleans())
+    value = (Fraction(whole) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)) * (-1 if negative else 1)
+    return value, ("-" if negative else "") + str(whole) + (f".{frac}" if frac else "")
+
+
+@st.composite
+def written(draw, value_and_plain):
+    """The number as the verifier accepts it after its marker: sign, $, **, thousands groups, zeros, units."""
+    value, _ = value_and_plain
+    whole, frac = divmod(abs(value), 1)
+    digits = f"{int(whole):,}" if whole >= 1000 and draw(st.booleans()) else "0" * draw(st.integers(0, 2)) + str(int(whole))
+    decimals = ""
+    if frac:
+        decimals = str(frac.numerator * 10**3 // frac.denominator).rjust(3, "0").rstrip("0")
+    decimals += "0" * draw(st.integers(0, 2)) if decimals or draw(st.booleans()) else ""
+    body = (digits + "." + decimals) if decimals else digits
+    if body.startswith("0.") and draw(st.booleans()):
+        body = body[1:]  # .5
+    sign = draw(st.sampled_from(["-", "\u2212"])) if value < 0 else draw(st.sampled_from(["", "+"]))
+    dollar = draw(st.sampled_from(["", "$", "\\$"]))
+    bold = draw(st.sampled_from(["", "**"]))
+    number = bold + (sign + dollar if draw(st.booleans()) else dollar + sign) + body + bold
+    marker = draw(st.sampled_from(["####", "#### ", "####  ", "####\u00a0"]))
+    tail = draw(st.sampled_from(["", ".", "%", " apples", " dollars.", "\nThat is 5 more than yesterday."]))
+    work = draw(st.text(st.characters(blacklist_characters="#"), max_size=30))
+    return f"{work}\n{marker}{number}{tail}"
+
+
+def plain(q):
+    """A Fraction with a finite decimal expansion as a plain '-?digits(.digits)?' string."""
+    whole, frac = divmod(abs(q), 1)
+    decimals = str(frac.numerator * 10**6 // frac.denominator).rjust(6, "0").rstrip("0") if frac else ""
+    return ("-" if q < 0 else "") + str(int(whole)) + (f".{decimals}" if decimals else "")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data(), number=numbers())
+def test_fuzz_a_number_in_any_accepted_form_is_graded_right_and_extracted_exactly(data, number):
+    value, as_reference = number
+    completion = data.draw(written(number))
+    assert gsm8k.grade(completion, as_reference) is True, completion
+    assert gsm8k.extract_answer(completion) == plain(value)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(data=st.data(), number=numbers(), other=numbers())
+def test_fuzz_a_different_number_is_graded_wrong(data, number, other):
+    value, _ = number
+    completion = data.draw(written(number))
+    for wrong in {other[0], value + 1, value - Fraction(1, 1000), -value if value else Fraction(1)} - {value}:
+        assert gsm8k.grade(completion, plain(wrong)) is False, (completion, plain(wrong))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(data=st.data(), number=numbers())
+def test_fuzz_the_reference_may_be_written_in_any_accepted_form_too(data, number):
+    completion, reference = data.draw(written(number)), data.draw(written(number)).split("\n", 1)[1]
+    assert gsm8k.grade(completion, reference) is True, (completion, reference)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(a=numbers(), b=numbers())
+def test_fuzz_a_hedge_pays_for_neither_answer_and_the_first_marker_binds(a, b):
+    if a[0] == b[0]:
+        return
+    for reference in (a[1], b[1]):
+        assert gsm8k.grade(f"#### {a[1]} or {b[1]}", reference) is False
+    assert gsm8k.grade(f"#### {a[1]}\n#### {b[1]}", a[1]) is True
+    assert gsm8k.grade(f"#### {a[1]}\n#### {b[1]}", b[1]) is False
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():

@@ -10,6 +10,7 @@ import sys
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -433,6 +434,75 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     mathtask._equivalent.cache_clear()
     assert isinstance(first, bool) and mathtask.grade(completion, reference) is first
     assert isinstance(mathtask.format_ok(completion), bool)
+
+
+# ---- verdicts, as properties over random numbers ----------------------------------------------------
+rationals = st.one_of(st.integers(-10**7, 10**7).map(Fraction), st.builds(Fraction, st.integers(-10**7, 10**7), st.integers(1, 64)))
+
+
+def as_latex(q):
+    r"""A number as MATH references write it: 7, -3, \frac{3}{8}, -\frac{1}{2}."""
+    if q.denominator == 1:
+        return str(q.numerator)
+    return ("-" if q < 0 else "") + f"\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
+
+
+@st.composite
+def equivalent_forms(draw, q):
+    """q written in one of the forms the verifier takes for the same number, inside one of the boxes it reads."""
+    sign = draw(st.sampled_from(["-", "\u2212"])) if q < 0 else ""
+    n, d = abs(q.numerator), q.denominator
+    forms = []
+    if d == 1:
+        forms += [sign + str(n), sign + str(n) + ".0", sign + str(n) + "^\\circ", sign + str(n) + "\\%",
+                  sign + str(n) + "\\text{ cm}", f"{sign}\\frac{{{2 * n}}}{{2}}"]
+        if n >= 1000:
+            forms += [sign + f"{n:,}", sign + f"{n:,}".replace(",", "{,}")]
+    else:
+        k = draw(st.integers(2, 5))
+        forms += [f"{sign}\\frac{{{n}}}{{{d}}}", f"{sign}\\dfrac{{{n}}}{{{d}}}", f"{sign}{n}/{d}",
+                  f"{sign}\\frac{{{k * n}}}{{{k * d}}}", f"\\frac{{{'-' if q < 0 else ''}{n}}}{{{d}}}"]
+        if n < 10 and d < 10:
+            forms.append(f"{sign}\\frac{n}{d}")
+        if 10**6 % d == 0:
+            forms.append(sign + str(Fraction(n, d).numerator * (10**6 // d) / 10**6).rstrip("0"))
+    answer = draw(st.sampled_from(forms))
+    box = draw(st.sampled_from(["\\boxed{{{}}}", "\\boxed {{{}}}", "\\fbox{{{}}}", "\\boxed{{{{{}}}}}", "\\boxed{{\\displaystyle {}}}"]))
+    work = draw(st.text("abcxyz =+0123456789.", max_size=30))
+    return f"{work} so the answer is ${box.format(answer)}$."
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data(), q=rationals)
+def test_fuzz_a_box_of_an_equivalent_form_is_graded_right(data, q):
+    completion = data.draw(equivalent_forms(q))
+    assert mathtask.grade(completion, as_latex(q)) is True, completion
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(data=st.data(), q=rationals, other=rationals)
+def test_fuzz_a_different_number_is_graded_wrong(data, q, other):
+    completion = data.draw(equivalent_forms(q))
+    for wrong in {other, q + 1, q * 2, -q, Fraction(q.numerator, q.denominator + 1)} - {q}:
+        assert mathtask.grade(completion, as_latex(wrong)) is False, (completion, as_latex(wrong))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(a=rationals, b=rationals)
+def test_fuzz_the_last_box_binds(a, b):
+    if a == b:
+        return
+    completion = f"\\boxed{{{as_latex(a)}}} no, \\boxed{{{as_latex(b)}}}"
+    assert mathtask.grade(completion, as_latex(b)) is True and mathtask.grade(completion, as_latex(a)) is False
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)  # hedges are settled by the sympy worker: slower
+@given(a=rationals, b=rationals)
+def test_fuzz_a_hedge_pays_for_neither_answer(a, b):
+    if a == b:
+        return
+    for hedge in (f"{as_latex(a)} \\text{{ or }} {as_latex(b)}", f"{as_latex(a)}, {as_latex(b)}"):
+        assert mathtask.grade(boxed(hedge), as_latex(a)) is False and mathtask.grade(boxed(hedge), as_latex(b)) is False
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():

@@ -27,10 +27,20 @@ def plot_command(*args):
                           timeout=120, cwd=REPO)
 
 
-def test_plot_writes_a_png_of_a_run(tmp_path):
+def test_plot_writes_a_png_of_a_run_and_prints_its_path(tmp_path):
+    from matplotlib.image import imread
     result = plot_command(write_run(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.stdout == f"{tmp_path / 'metrics.png'}\n"
+    image = imread(tmp_path / "metrics.png")
+    assert image.shape[:2] == (770, 1210)  # the 11 x 7 inch figure at 110 dpi
+    assert len({tuple(p) for p in image.reshape(-1, image.shape[2])[::97]}) > 10  # drawn on: not a blank page
+
+
+def test_plot_out_names_the_file(tmp_path):
+    result = plot_command(write_run(tmp_path / "run"), f"--out={tmp_path / 'elsewhere.png'}")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "elsewhere.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "run" / "metrics.png").exists()
 
 
 def test_plot_panels(tmp_path):
@@ -54,6 +64,14 @@ def test_plot_panels(tmp_path):
     assert [(label, style) for label, style in styles if not label.startswith("_")] == [("a", "-"), ("b", "-")]
     assert sorted(style for _, style in styles) == sorted(["-", "--", ":", "-", "--"])
     assert "greedy (dotted)" in passk.get_title() and "pass@1 (solid)" in passk.get_title()
+    # each curve is the run's values at its steps (the torn last line left out)
+    a_pass1, a_pass2, a_greedy = ((list(line.get_xdata()), list(line.get_ydata())) for line in passk.lines[:3])  # run a's, drawn first
+    assert a_pass1 == ([0, 2, 4], pytest.approx([0.4, 0.6, 0.8]))
+    assert a_pass2 == ([0, 2, 4], pytest.approx([0.6, 0.7, 0.8]))
+    assert a_greedy == ([0, 2, 4], pytest.approx([0.7, 0.7, 0.7]))
+    assert list(raw.get_xdata()) == [0, 1, 2, 3] and list(raw.get_ydata()) == pytest.approx([0.5, 0.6, 0.7, 0.8])
+    length = fig.axes[2].lines[0]
+    assert list(length.get_ydata()) == [30, 29, 28, 27] and list(truncated.lines[0].get_ydata()) == [0.0] * 4
 
 
 @pytest.mark.parametrize("make, message", [

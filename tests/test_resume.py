@@ -49,7 +49,7 @@ def model_dir():
 def args(model_dir, out_dir):
     return ["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=5", "--examples-per-step=2",
             "--num-samples=4", "--max-new-tokens=40", "--eval-every=2", "--eval-examples=4", "--eval-samples=2",
-            "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=0.01"]
+            "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=1e-3"]
 
 
 def launch(argv, where="none", at=-1, sig="SIGKILL"):
@@ -72,20 +72,27 @@ def reference(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = launch(args(model_dir, out))
     assert result.returncode == 0, result.stderr[-2000:]
+    # an update at every step, before and after each resume point: what a resumed run must restore (the
+    # optimizer's moments, its step count) shows only in the updates it takes after resuming
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "split" not in r and r["valid_tokens"] > 0] == [0, 1, 2, 3, 4]
     start, end = load_file(os.path.join(model_dir, "model.safetensors")), final_weights(out)
     assert any(not torch.equal(start[k], end[k]) for k in start), "the reference run never updated the weights"
-    return metrics(out), end
+    return rows, end
 
 
-@pytest.mark.parametrize("where,at", [("metrics", 0), ("metrics", 2), ("save", 3), ("save", 5)],
+# resumes_at: the latest complete checkpoint when the kill came (none yet after step 0: step_000001 is
+# written after that step's metrics row; a checkpoint killed before its rename does not count)
+@pytest.mark.parametrize("where,at,resumes_at", [("metrics", 0, 0), ("metrics", 2, 2), ("save", 3, 2), ("save", 5, 4)],
                          ids=["after-first-step", "mid-run", "mid-checkpoint-write", "mid-final-checkpoint"])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, model_dir, reference, tmp_path):
+def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, resumes_at, model_dir, reference, tmp_path):
     out = tmp_path / "run"
     killed = launch(args(model_dir, out), where, at)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not any(d.startswith("step_") and not os.path.exists(out / d / "trainer_state.pt") for d in os.listdir(out))
     resumed = launch(args(model_dir, out) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f" steps={resumes_at}->5 " in resumed.stdout  # from the latest complete checkpoint, not an older one
     ref_metrics, ref_weights = reference
     assert metrics(out) == ref_metrics
     weights = final_weights(out)

@@ -1,13 +1,18 @@
 """The RL math of chat_rl.py, pinned down on batches small enough to compute by hand."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import chat_rl
 import loss_pass
+from flags import RunError
 from gpt import GPT, GPTConfig
+from metrics import check_nonfinite
 
 
 class LinearNLLModel(torch.nn.Module):
@@ -42,6 +47,15 @@ def test_zscore_advantages_divide_by_group_std():
     adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0]), num_samples=2, kind="zscore")
     std = torch.tensor([1.0, 0.0]).std().item()
     assert adv.tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)])
+
+
+@pytest.mark.parametrize("kind", ["mean", "zscore"])
+def test_a_group_of_equal_rewards_gets_advantage_exactly_zero_whatever_their_value(kind):
+    # the float32 mean of 16 x 0.1 (a format bonus alone) is not exactly 0.1: r - mean(r) would be ~1e-8,
+    # and the group would look live to the loss: a forward and backward pass for a gradient of rounding noise
+    rewards = torch.tensor([0.1] * 16 + [0.7] * 16 + [1.0] * 8 + [0.0] * 8)
+    adv = chat_rl.compute_advantages(rewards, num_samples=16, kind=kind)
+    assert torch.all(adv[:32] == 0) and torch.all(adv[32:] != 0)
 
 
 def test_loss_equals_hand_computed_value():
@@ -153,4 +167,127 @@ def test_derived_seeds_differ_for_every_tuple_the_old_arithmetic_mixed_up():
     assert d(0, "data", 1000) != d(1, "data", 0)
     seeds = {d(seed, "rollout", step, rank) for seed in range(3) for step in range(300) for rank in range(16)}
     assert len(seeds) == 3 * 300 * 16 and all(0 <= s < 2**63 for s in seeds)
-    assert d(0, "eval", 0) == d(0, "eval", 0)  # a resumed run derives the same seeds
+
+
+def test_derived_seeds_are_the_same_in_every_process():
+    # a resumed run is a new process: its seeds must not hang on Python's per-process string hashing
+    tuples = [(0, "eval", 0), (1, "rollout", 7, 3), (2, "data", 1)]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other_hash_seed = str(int(os.environ.get("PYTHONHASHSEED", "0").replace("random", "0")) + 1)
+    child = subprocess.run([sys.executable, "-c", f"import chat_rl; print([chat_rl.derive_seed(*t) for t in {tuples!r}])"],
+                           cwd=repo, env={**os.environ, "PYTHONHASHSEED": other_hash_seed, "PYTHONPATH": repo},
+                           capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == str([chat_rl.derive_seed(*t) for t in tuples]), child.stderr[-2000:]
+
+
+# ---- step 1: each step's problems ----------------------------------------------------------------
+ROWS = [f"problem {i}" for i in range(50)]  # 6 steps of 8 an epoch; 2 problems left over each epoch
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_steps_problems_are_split_among_ranks_without_overlap(world):
+    for step in range(14):
+        whole = chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed=0)
+        parts = [chat_rl.problems_for_step(ROWS, step, rank, world, 8, seed=0) for rank in range(world)]
+        assert [len(p) for p in parts] == [8 // world] * world
+        assert sum(parts, []) == whole  # rank r takes the r-th part of the step's problems
+
+
+def test_an_epoch_takes_each_problem_at_most_once_and_the_next_epoch_reshuffles():
+    epochs = [sum((chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed=0) for step in range(6 * e, 6 * e + 6)), [])
+              for e in range(2)]
+    for taken in epochs:
+        assert len(taken) == len(set(taken)) == 48
+    assert epochs[0] != epochs[1]
+
+
+def test_the_data_order_is_fixed_by_the_seed():
+    take = lambda seed: [chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed) for step in range(3)]  # noqa: E731
+    assert take(0) == take(0) and take(0) != take(1)
+    assert take(0)[0] != take(0)[1]
+
+
+# ---- step 6: clip, then step at the scheduled learning rate ----------------------------------------
+class TwoWeights(torch.nn.Module):
+    """Two parameters, gradients set by hand: g = norm * (0.6, 0.8) has global norm `norm`."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.tensor([1.0])), torch.nn.Parameter(torch.tensor([2.0]))
+
+    def set_gradient(self, norm):
+        self.a.grad, self.b.grad = torch.tensor([0.6 * norm]), torch.tensor([0.8 * norm])
+        return self
+
+    def weights(self):
+        return torch.cat([self.a.detach(), self.b.detach()])
+
+
+def step_with_sgd(norm, grad_clip, lr=0.5):
+    """optimizer_step under plain SGD, whose update is -lr * the gradient it is left: (reported norm, update)."""
+    model = TwoWeights().set_gradient(norm)
+    before = model.weights()
+    grad_norm, finite = chat_rl.optimizer_step(model, torch.optim.SGD(model.parameters(), lr=123.0), lr, grad_clip,
+                                               loss=-0.1, valid_tokens=10)
+    assert finite
+    return grad_norm, model.weights() - before
+
+
+def test_a_gradient_above_grad_clip_leaves_with_norm_grad_clip():
+    grad_norm, update = step_with_sgd(norm=10.0, grad_clip=1.0)
+    assert grad_norm == pytest.approx(10.0)  # the norm logged is the one before clipping
+    assert update.tolist() == pytest.approx([-0.5 * 0.6, -0.5 * 0.8], rel=1e-5)  # lr 0.5 times the clipped (0.6, 0.8)
+
+
+def test_a_gradient_below_grad_clip_is_untouched():
+    grad_norm, update = step_with_sgd(norm=0.5, grad_clip=1.0)
+    assert grad_norm == pytest.approx(0.5)
+    assert update.tolist() == pytest.approx([-0.5 * 0.3, -0.5 * 0.4], rel=1e-5)
+
+
+def test_grad_clip_zero_turns_clipping_off():
+    grad_norm, update = step_with_sgd(norm=10.0, grad_clip=0.0)
+    assert grad_norm == pytest.approx(10.0)
+    assert update.tolist() == pytest.approx([-0.5 * 6.0, -0.5 * 8.0], rel=1e-5)
+
+
+def test_the_update_is_taken_at_the_learning_rate_given():
+    _, update = step_with_sgd(norm=0.5, grad_clip=1.0, lr=0.1)
+    assert update.tolist() == pytest.approx([-0.1 * 0.3, -0.1 * 0.4], rel=1e-5)
+
+
+def adamw_after_one_update():
+    model = TwoWeights().set_gradient(1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=-0.1, valid_tokens=10)
+    return model, optimizer  # AdamW now has momentum: a step on a zero gradient would still move the weights
+
+
+@pytest.mark.parametrize("loss,gradient", [(math.nan, 1.0), (math.inf, 1.0), (-0.1, math.nan), (-0.1, math.inf)])
+def test_a_non_finite_loss_or_gradient_skips_the_update(loss, gradient):
+    model, optimizer = adamw_after_one_update()
+    model.set_gradient(gradient)
+    before = model.weights()
+    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=loss, valid_tokens=10)
+    assert not finite and torch.equal(model.weights(), before)
+
+
+def test_a_step_with_no_sampled_token_leaves_the_weights_alone():
+    model, optimizer = adamw_after_one_update()
+    model.set_gradient(0.0)
+    before = model.weights()
+    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=0.0, valid_tokens=0)
+    assert finite and torch.equal(model.weights(), before)
+    optimizer.step()  # what skipping it avoids: AdamW's momentum moves the weights on a zero gradient
+    assert not torch.equal(model.weights(), before)
+
+
+def test_a_run_stops_after_max_nonfinite_non_finite_updates_in_a_row():
+    quiet = lambda *a, **k: None  # noqa: E731
+    in_row = 0
+    for finite, valid_tokens, expected in [(False, 10, 1), (True, 0, 1), (False, 10, 2), (True, 10, 0), (False, 10, 1)]:
+        in_row = check_nonfinite(finite, valid_tokens, in_row, 3, 0, quiet)
+        assert in_row == expected  # a good update resets the count; a step with nothing to learn leaves it
+    in_row = check_nonfinite(False, 10, in_row, 3, 5, quiet)
+    with pytest.raises(RunError, match="3 non-finite updates in a row at step 6"):
+        check_nonfinite(False, 10, in_row, 3, 6, quiet)

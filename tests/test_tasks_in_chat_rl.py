@@ -9,6 +9,7 @@ import pytest
 
 import chat_rl
 from gpt import GPT, GPTConfig
+from tasks.common import get_task
 from tokenizer import ByteTokenizer
 
 GSM8K_ROWS = [
@@ -55,6 +56,14 @@ def test_task_trains_and_evaluates_through_chat_rl(task, tmp_path, monkeypatch):
     assert all({"reward", "reward_answer", "reward_format", "truncated"} <= set(r) for r in train)
     assert all(set(r) == {"step", "split", "greedy", "pass@1", "pass@2", "greedy_tool_use", "tool_use", "tool_calls",
                           "tool_errors"} for r in evals)
+    for r in train:
+        assert 0 <= r["reward_answer"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1
+        assert r["reward"] == pytest.approx(r["reward_answer"] + 0.1 * r["reward_format"])
+        assert 0 < r["seq_len"] <= 6  # the budget, a stop token included
+    for r in evals:
+        assert 0 <= r["pass@1"] <= r["pass@2"] <= 1 and 0 <= r["greedy"] <= 1
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     references = {"gsm8k": {"7", "36"}, "math": {"\\frac{1}{2}", "8"}}[task]
     assert samples and {s["reference"] for s in samples} <= references
+    # each eval sample's reward is the task's verdict on its completion (evals score the answer alone)
+    assert all(s["reward"] == float(get_task(task).grade(s["completion"], s["reference"])) for s in samples)

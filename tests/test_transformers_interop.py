@@ -125,12 +125,20 @@ def assert_snippet_matches_engine(path, namespace, printed):
     tokenizer, model = load_tokenizer(path), GPT.from_pretrained(path).eval()
     prompt = tokenizer.render_for_completion({"messages": namespace["messages"]})
     max_tokens = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
-    sequences, _ = Engine(model, tokenizer).generate_batch([prompt], max_tokens=max_tokens, temperature=0.0, include_stop=True)
+    sequences, masks = Engine(model, tokenizer).generate_batch([prompt], max_tokens=max_tokens, temperature=0.0, include_stop=True)
     completion = sequences[0][len(prompt):]
+    assert masks[0] == [0] * len(prompt) + [1] * len(completion)
     assert namespace["inputs"]["input_ids"][0].tolist() == prompt
-    assert namespace["out"][0, len(prompt):].tolist() == completion
+    assert namespace["out"][0, len(prompt):].tolist() == completion  # token for token
     assert printed == tokenizer.decode(completion) + "\n"
     return completion
+
+
+def assert_ran_the_whole_budget(completion, path):
+    """The completion is the snippet's whole budget, varied, with no stop token: every one of its tokens was compared."""
+    budget = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
+    assert len(completion) == budget and not set(completion) & load_tokenizer(str(path)).stop_tokens
+    assert len(set(completion)) > 50  # not one token repeated: a long run of distinct choices
 
 
 def perturb(model, seed=0):
@@ -155,7 +163,7 @@ def test_readme_snippet_on_a_byte_tokenizer_checkpoint(tmp_path, capsys):
     # as written, the snippet sends the GSM8K user message chat_rl trains on
     assert namespace["messages"] == [{"role": "user", "content": gsm8k.prompt({"question": namespace["question"]})}]
     completion = assert_snippet_matches_engine(str(path), namespace, printed)
-    assert len(completion) > 100  # a long greedy run (random bytes, invalid UTF-8 included), not an early stop
+    assert_ran_the_whole_budget(completion, path)  # random bytes, invalid UTF-8 included, not an early stop
 
 
 def test_readme_snippet_on_the_demo_model(capsys):
@@ -185,4 +193,4 @@ def test_readme_snippet_on_a_real_model_style_checkpoint(tmp_path, capsys):
     load_tokenizer(str(source)).save_pretrained(path)
     namespace, printed = run_readme_snippet(path, capsys)
     completion = assert_snippet_matches_engine(path, namespace, printed)
-    assert len(completion) > 100
+    assert_ran_the_whole_budget(completion, path)
