@@ -34,6 +34,7 @@ class ScriptedEngine:
                 completion += sorted(self.tokenizer.stop_tokens)[:1] if include_stop else []
                 sequences.append(list(prompt) + completion)
                 masks.append([0] * len(prompt) + [1] * len(completion))
+        self.tool_calls, self.tool_errors = [0] * len(sequences), [0] * len(sequences)  # as Engine: no tool called
         return sequences, masks
 
 
