@@ -1,0 +1,45 @@
+"""The README's commands are the ones that run: its quick start is what CI runs, its engine snippet runs as pasted."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme():
+    with open(os.path.join(REPO, "README.md")) as f:
+        return f.read()
+
+
+def quick_start():
+    """The commands of the quick start's one code block, comments dropped."""
+    block = readme().split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_the_quick_start_is_install_demo_tests():
+    commands = quick_start()
+    assert len(commands) == 4
+    assert commands[0].startswith("pip install torch==") and "--index-url https://download.pytorch.org/whl/cpu" in commands[0]
+    assert commands[1:] == ["pip install -r requirements.txt", "python -m chat_rl --preset=demo", "python -m pytest -q tests"]
+
+
+def test_ci_installs_the_same_torch_and_runs_the_same_test_command():
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    torch_pin = re.search(r"torch==[0-9.]+", quick_start()[0]).group()
+    assert any(line.startswith("python -m pip install") and torch_pin in line.split() for line in ci), torch_pin
+    assert any(line.startswith("python -m pip install") and "-r requirements.txt" in line for line in ci)
+    assert ci[-1] == quick_start()[3]  # the last thing CI does is the README's test command
+
+
+def test_the_engine_snippet_runs_as_pasted_on_the_demo_model():
+    snippet = readme().split("use chat_rl's engine:", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    code, n = re.subn(r'load_policy\("[^"]*"', 'load_policy("demo_model"', snippet)
+    assert n == 1
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("#### 34"), result.stdout  # the demo model's answer to the snippet's problem
