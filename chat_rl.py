@@ -96,7 +96,7 @@ HYPERPARAMETERS = dict(
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
-    num_steps=          (-1,                            300,           "optimizer steps; -1 = derived from num_epochs"),
+    num_steps=          (-1,                            150,           "optimizer steps; -1 = derived from num_epochs"),
     device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
     lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate, decayed linearly to 0"),
