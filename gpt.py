@@ -92,10 +92,19 @@ def rope_inv_freq(config):
     return torch.where(is_mid, blended, scaled).float()
 
 
-def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D), sin's first half negated (GPT.rope). The HF checkpoints' "rotate
-    # half" layout, x * cos + (-x2, x1) * sin, is then x * cos + roll(x) * sin: a roll, a mul and an addcmul
-    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
+def apply_rope(x, rope):
+    """
+    x (B, H, T, D), rope (B or 1, 1, T, D/2, 2): cos and sin of each pair's angle (GPT.rope) -> x rotated, in fp32.
+    The checkpoints' "rotate half" layout pairs x_i with x_{i + D/2}: each pair is one complex number, turned by one
+    complex multiplication. The pairs come out side by side (x_0, x_{D/2}, x_1, x_{D/2+1}, ...): q and k alike, so
+    every q . k, all that attention reads of them, is the same.
+    """
+    half = x.size(-1) // 2
+    x = x.float()
+    if torch.compiler.is_compiling():  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+        x1, x2, cos, sin = x[..., :half], x[..., half:], rope[..., 0], rope[..., 1]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return torch.view_as_real(torch.complex(x[..., :half], x[..., half:]) * torch.view_as_complex(rope)).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -112,16 +121,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
+    def forward(self, x, rope, attn_mask, kv_cache):
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
         qk, v = qkv[:, :, :H + self.n_kv_head], qkv[:, :, H + self.n_kv_head:].transpose(1, 2)  # v: (B, Hkv, T, D)
-        if hasattr(self, "q_norm"):
-            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
-        # one RoPE for the heads of q and k together. It runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote);
-        # under autocast q and k go back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
-        qk = apply_rope(qk.transpose(1, 2), cos, sin).to(v.dtype)
+        if hasattr(self, "q_norm"):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
+            weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1)))
+            qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
+        # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's dtype, so the KV
+        # cache holds bf16 keys instead of fp32 ones
+        qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
@@ -160,8 +170,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, rope, attn_mask, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -221,18 +231,16 @@ class GPT(nn.Module):
         return {name: state[own] if rows is None else state[own][rows] for name, own, rows in self.hf_layout()}
 
     def rope(self, positions):
-        """cos, sin of shape (B, 1, T, head_dim) for integer positions (B, T), in fp32; sin's first half negated,
-        as apply_rope takes it."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        sin = emb.sin()
-        return emb.cos(), torch.cat((-sin[..., :freqs.size(-1)], sin[..., freqs.size(-1):]), dim=-1)
+        """RoPE's rotation of each pair (apply_rope) for integer positions (B, T): cos and sin of position * inv_freq,
+        (B, 1, T, head_dim/2, 2) in fp32."""
+        angles = positions.float()[:, None, :, None] * self.inv_freq.float()
+        return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
-        RoPE cos/sin and, for the prefill, the mask that skips its padding; a decode step (one token
+        RoPE rotations and, for the prefill, the mask that skips its padding; a decode step (one token
         per row) attends through the cache, which knows where the row's keys are. Only the last
         position's logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
@@ -272,18 +280,17 @@ class GPT(nn.Module):
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if kv_cache is None:
-            cos, sin = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D): the same for every row
+            rope = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D/2, 2): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
-            cos, sin, attn_mask = kv_cache.rope_and_mask(T)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            rope, attn_mask = kv_cache.rope_and_mask(T)
         for block in self.model.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
                 # one layer's activations alive at a time instead of all of them, for a second forward's cost
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attn_mask, kv_cache, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, attn_mask, kv_cache, use_reentrant=False)
             else:
-                x = block(x, cos, sin, attn_mask, kv_cache)
+                x = block(x, rope, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.model.norm(x)

@@ -164,7 +164,7 @@ class SharedPrefix:
         start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
         positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
                                (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
-        self.cos, self.sin = rope(positions[None])  # (1, 1, N, D)
+        self.rope = rope(positions[None])  # (1, 1, N, D/2, 2)
         prefix_keys = self.prefix_real[row_prefix]  # (B, P): the row's prefix, less its padding
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
         self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
@@ -176,8 +176,8 @@ class SharedPrefix:
         return torch.cat([prefix_ids[self.prefix_real], idx[self.own_real]])[None]
 
     def rope_and_mask(self, N):
-        assert N == self.cos.size(2)
-        return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
+        assert N == self.rope.size(2)
+        return self.rope, None  # no mask: the model's attention hands over to attend()
 
     def advance(self, N):
         pass  # positions are fixed by the layout, not by a running count

@@ -178,8 +178,7 @@ def test_autocast_weights_are_autocasts_own_casts_and_change_no_logit():
     for use in (False, True):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             weights = autocast_weights(model) if use else {}
-            cos, sin = model.rope(torch.arange(8)[None])
-            cache = KVCache(config.num_hidden_layers, torch.tensor([0, 1]), 4, cos[0, 0], sin[0, 0])
+            cache = KVCache(config.num_hidden_layers, torch.tensor([0, 1]), 4, model.rope(torch.arange(8)[None])[0, 0])
             model(torch.tensor([[5, 6, 7], [0, 8, 9]]), kv_cache=cache)  # the prefill: bias rows 1's first slot as padding
             cache.share(2)
             logits[use] = decode_step(model, torch.tensor([1, 2, 3, 4]), cache, weights)

@@ -149,14 +149,14 @@ def per_token(tokens=256):
             torch.nn.init.normal_(p, std=0.02)
         idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
         x = model.model.embed_tokens(idx)  # the layer's input (B, T, C), bf16
-        cos, sin = (t.to(x.dtype) for t in model.rope(torch.arange(tokens)[None]))
+        rope = model.rope(torch.arange(tokens)[None])
         layer = {}
         for checkpointing in (False, True):
             with SavedBytes(model) as saved:
                 h = x
                 for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
-                    h = (torch.utils.checkpoint.checkpoint(block, h, cos, sin, None, None, use_reentrant=False)
-                         if checkpointing else block(h, cos, sin, None, None))
+                    h = (torch.utils.checkpoint.checkpoint(block, h, rope, None, None, use_reentrant=False)
+                         if checkpointing else block(h, rope, None, None))
             layer[checkpointing] = saved.total
         with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
             hidden = model.model.norm(h.detach().requires_grad_())
