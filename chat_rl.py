@@ -1,18 +1,22 @@
 """
-Reinforcement learning on verifiable math for a chat model: "GRPO" that is really REINFORCE, the
-plain policy gradient: raise the log-probability of completions that scored above their group's
-average, lower it for those below.
+Reinforcement learning on verifiable math for a chat model, by the plain policy gradient (REINFORCE).
+
+"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their
+group's average, lower it for those below.
 
 One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
 per GPU; alone on a laptop there is one rank):
   1. take this step's problems (each rank its own share of examples_per_step);
   2. sample num_samples completions of each (the group) with engine.py, which keeps each prompt's
-     attention keys and values (its KV cache) so a token costs one forward over one position;
+     attention keys and values (its KV cache) so a token costs one forward over one position; where a
+     completion writes GSM8K's calculator call `<<48/2=`, the engine forces the result `24>>` (--tool);
   3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
      the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (sampled tokens of the kept completions);
+  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (every sampled token of the step), logp
+     of softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it,
+     which the loss does not model: TRL samples without top-k for this reason);
   6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
@@ -26,9 +30,14 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      used for exactly one step, so the ratio is 1 and the clip never acts; what is left is REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (DAPO-style): divide by the sampled-token count of the whole step, so
-     every token weighs the same whatever the length of its completion
-     (`--loss-norm=sequence` averages per completion first, as GRPO does).
+  4. Token-level normalisation (nanochat's and TRL's): divide by every sampled token of the step on all
+     ranks, the unanimous groups' included, so every token weighs the same whatever its completion's
+     length, and dropping those groups only saves compute: the gradient is the one of the whole step.
+     A step's size then shrinks as more groups turn unanimous, which is the policy having less left to
+     learn. `--loss-norm=kept_tokens` divides by the kept groups' tokens only (DAPO's, without its
+     refilling), so the step keeps its size; `--loss-norm=sequence` takes each completion's mean first,
+     then divides by the step's completions (GRPO's). On the demo both token norms, at the same --lr,
+     give the same lift within the noise of 200 held-out problems (README).
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -50,10 +59,11 @@ from tqdm import tqdm
 import checkpoint
 import fsdp
 from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
+from calculator import calculate
 from engine import Engine
 from flags import ConfigError, RunError, check_config, parse_config
 from loss_pass import first_target, make_shared_batch, micro_batches
-from metrics import MetricsLog, check_nonfinite, console_line, step_metrics
+from metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
 from tasks.common import conversation, get_task, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
@@ -73,14 +83,17 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           48,            "completion budget; a cut-off answer has no final answer: 0"),
+    max_new_tokens=     (768,                           64,            "completion budget; a cut-off answer has no final answer: 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
-    top_k=              (0,                             0,             "top-k sampling for rollouts; 0 = full distribution"),
+    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
+    # a model that never writes GSM8K's "<<expression=" samples exactly what it samples with none; one that
+    # does (fine-tuned on GSM8K's annotated solutions, or the demo's) gets the exact result forced in
+    tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
-    loss_norm=          ("token",                       "token",       "token: divide by sampled tokens of the step | sequence"),
+    loss_norm=          ("all_tokens",                  "all_tokens",  "what the loss divides by: all_tokens (of the step) | kept_tokens (groups with signal) | sequence"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
@@ -135,7 +148,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
-    out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[])
+    out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
+               tool_calls=[], tool_errors=[], tool_use=[])
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
@@ -143,15 +157,19 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
                                             temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
         out["sequences"] += seqs
         out["masks"] += masks
+        out["tool_calls"] += engine.tool_calls  # answered calls and refused ones, per completion
+        out["tool_errors"] += engine.tool_errors
         bar.update(len(seqs) // num_samples)
     bar.close()
-    for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
-        completion_ids = [t for t, m in zip(seq, mask) if m]  # mask 1 = sampled by the policy
+    for i, seq in enumerate(out["sequences"]):
+        # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
+        completion_ids = seq[len(prompts[i // num_samples]):]
         text = tokenizer.decode(completion_ids)
         terms = reward_terms(task, text, task.reference(problems[i // num_samples]), format_weight)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["tokens"].append(len(completion_ids))
+        out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
         # the budget ran out before a stop token (a completion that stopped ends with one: include_stop)
         out["truncated"].append(not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens)
@@ -173,18 +191,24 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
-                             device, autocast=nullcontext(), device_batch_tokens=math.inf):
+                             device, autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0):
     """
-    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens).
+    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens
+    of the kept groups on all ranks).
 
         loss = -(sum over sampled tokens of logp(token) * advantage of its completion) / normaliser
 
-    The normaliser is the sampled-token count of the step's kept completions on all ranks (one
-    all-reduce of two scalars), so micro-batching and the number of ranks leave the loss unchanged;
-    the gradients are then summed over ranks by sync_gradients (under --fsdp, by FSDP during the
-    backward pass). Completions of groups with all-zero advantages are dropped before any forward
-    pass; in a micro-batch, each prompt runs through the model once for all its samples
-    (make_shared_batch). Every rank joins the same collectives, whatever it kept.
+    logp is of softmax(logits / temperature), the distribution the rollout sampled from (top-k aside).
+    loss_norm names the normaliser, counted on all ranks (one all-reduce), so that micro-batching and
+    the number of ranks leave the loss unchanged:
+      all_tokens:  every sampled token of the step, the dropped groups' too (the default: nanochat's, TRL's,
+                   docstring departure 4);
+      kept_tokens: the sampled tokens of the kept groups (DAPO's);
+      sequence:    the step's completions, all of them, each one's sum first divided by its tokens (GRPO's).
+    Completions of groups with all-zero advantages add 0 and are dropped before any forward pass (under
+    all_tokens and sequence a pure saving); in a micro-batch each prompt runs once for all its samples
+    (make_shared_batch). Gradients are summed over ranks by sync_gradients (under --fsdp, by FSDP in the
+    backward pass); every rank joins the same collectives, whatever it kept.
     The loss's value is a diagnostic, not a target: it is minus the advantage-weighted
     log-likelihood, negative whenever the policy already gives its better completions more
     probability than its worse ones; only its gradient matters.
@@ -195,11 +219,11 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # length and rows of similar length together (less padding)
     keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
     # sampled tokens that are targets: mask[1:], as in loss_pass.make_batch (position 0 is never a target)
-    tokens = torch.tensor(float(sum(sum(masks[i][1:]) for i in keep)), device=device)
-    totals = all_reduce_sum(torch.stack([tokens, torch.tensor(float(len(keep)), device=device)]))
-    normaliser = totals[0] if loss_norm == "token" else totals[1]
+    local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
+    kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
+    normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
     loss_sum = torch.zeros((), device=device)
-    if normaliser == 0:
+    if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return loss_sum, 0
     # the token budget counts rows whole (rows x longest row): with prompts shared, the linear layers see fewer
     # tokens than that, attention's padded slots at most rows x (longest prefix + longest own part)
@@ -215,14 +239,14 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         adv = advantages[rows].to(device)
         with autocast:
             # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
-            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix)
+            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix, temperature=temperature)
         per_token = logp * adv[:, None]
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
             per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
         loss = -per_token.sum() / normaliser
         loss.backward()
         loss_sum += loss.detach()
-    return loss_sum, int(totals[0])
+    return loss_sum, int(kept_tokens)
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
@@ -253,8 +277,10 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
     right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
     mine = problems[rank::world]
-    sums = torch.zeros(k + 2, device=device)  # pass@1..k and greedy summed over problems, then the problem count
-    samples = []
+    # summed over this rank's problems, then over ranks; pass@j, greedy and greedy_tool_use are per problem,
+    # the tool's means per sampled completion
+    names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
+    totals, samples = dict.fromkeys(names, 0.0), []
     if mine:
         label = "eval" if rank == 0 else ""
         out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, seed=seed,
@@ -264,14 +290,14 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
         for g in range(len(mine)):
             correct = int(sum(out["answer"][g * k:(g + 1) * k]))
             for j in range(1, k + 1):
-                sums[j - 1] += pass_at_k(k, correct, j)
-        sums[k] = sum(greedy["answer"])
-        sums[k + 1] = len(mine)
+                totals[f"pass@{j}"] += pass_at_k(k, correct, j)
+        totals.update(greedy=sum(greedy["answer"]), greedy_tool_use=sum(greedy["tool_use"]),
+                      **{name: sum(out[name]) / k for name in ("tool_use", "tool_calls", "tool_errors")})
         samples = [dict(question=task.prompt(mine[g]), reference=task.reference(mine[g]),
                         completion=out["completions"][g * k], reward=out["total"][g * k]) for g in range(min(3, len(mine)))]
-    sums = all_reduce_sum(sums)
-    metrics = {"greedy": round(float(sums[k] / sums[k + 1]), 4)}
-    return {**metrics, **{f"pass@{j}": round(float(sums[j - 1] / sums[k + 1]), 4) for j in range(1, k + 1)}}, samples
+    sums = all_reduce_sum(torch.tensor([totals[name] for name in names] + [len(mine)], dtype=torch.float64, device=device))
+    metrics = {name: round(float(sums[i] / sums[-1]), 4) for i, name in enumerate(names)}
+    return {"greedy": metrics.pop("greedy"), **metrics}, samples
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -285,7 +311,7 @@ def train(cfg, rank, world, device):
     # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
-    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode)
+    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode, tool=calculate if cfg.tool == "calculator" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if state:
         checkpoint.restore(state, model, optimizer, rank)
@@ -323,7 +349,7 @@ def train(cfg, rank, world, device):
         model.train()
         loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
                                                       cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
-                                                      autocast, cfg.device_batch_tokens)
+                                                      autocast, cfg.device_batch_tokens, cfg.temperature)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach().clone()))
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
@@ -334,14 +360,13 @@ def train(cfg, rank, world, device):
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)
         eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
-        print0(console_line(row, num_steps, last_pass1, eta))
+        print0(console_line(row, num_steps, last_pass1, eta, tool=cfg.tool != "none"))
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
     if step != last_saved:  # a stop right after a save (or a resume) has nothing new to write
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
-    print0(f"{'stopped' if step < num_steps else 'done'} at step {step}/{num_steps} after "
-           f"{(time.time() - t_start) / 60:.1f} min; checkpoint in {cfg.out_dir}")
+    print0(stop_line(step, num_steps, (time.time() - t_start) / 60, cfg.out_dir))
     log.close()
     return 0
 

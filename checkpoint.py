@@ -117,7 +117,8 @@ def resume_point(cfg, world, device, restarted=False):
     resumes by itself: its command line is the first start's. Every rank must find the same one."""
     resume = cfg.resume or restarted
     if not resume and has_run(cfg.out_dir):
-        raise ConfigError(f"{cfg.out_dir} already holds a run: pass --resume to continue it, or choose another --out-dir")
+        raise ConfigError(f"{cfg.out_dir} already holds a run, which a new one would overwrite: to continue it, give the "
+                          f"same command plus --resume; to start another, pass --out-dir={_free_folder(cfg.out_dir)}")
     start_step, state = find_resumable(cfg, world) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
         found = torch.tensor([start_step, -start_step], device=device)
@@ -125,6 +126,14 @@ def resume_point(cfg, world, device, restarted=False):
         if found[0] != -found[1]:
             raise ConfigError(f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see")
     return start_step, state
+
+
+def _free_folder(out_dir):
+    """out/demo -> out/demo-2 (or -3, ...): the first name no run has taken."""
+    base, n = os.path.normpath(out_dir), 2
+    while os.path.exists(f"{base}-{n}"):
+        n += 1
+    return f"{base}-{n}"
 
 
 def find_resumable(cfg, world):
@@ -146,12 +155,18 @@ def find_resumable(cfg, world):
         raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
                           f"move it away to resume from an earlier one") from None
     saved = state["config"]
+    if saved.get("loss_norm") == "token":  # kept_tokens' name in earlier checkpoints: the same computation
+        saved = {**saved, "loss_norm": "kept_tokens"}
     differs = [k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)]
     if state.get("world_size") != world:
         differs.append(f"world size ({state.get('world_size')} -> {world})")
     if differs:
         detail = ", ".join(f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs)
-        raise ConfigError(f"checkpoint {path} was made with different settings: {detail}")
+        hint = ""
+        if {"num_steps", "num_epochs"} & set(differs):  # the learning rate decays to 0 over the run's length
+            hint = (f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
+                    f"start a new run with --model={path} and a new --out-dir")
+        raise ConfigError(f"checkpoint {path} was made with different settings: {detail}{hint}")
     state["model_dir"] = path
     return state["step"], state
 

@@ -26,6 +26,7 @@ random number per (row, vocab) entry as the Gumbel-max trick needs.
 import torch
 
 from distributed import is_sharded
+from tool_calls import ToolCalls, call_tables
 
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
 ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time (8 MB in fp32)
@@ -311,14 +312,20 @@ class Engine:
         dominate), on a KV cache whose steps all have the same shapes (KVCache static), with the Linears'
         autocast copies made once per call (autocast_weights). Off by default: not yet shown on a GPU to
         give the same samples faster; on this 2-core CPU compiling takes about a minute and gains nothing.
+    tool: a function from an expression to its result text or None (calculator.calculate), called when a
+        row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
+        None: no tool, and a row that writes `<<` is sampled like any other.
     """
 
-    def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False):
+    def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False, tool=None):
         self.model = model
         self.tokenizer = tokenizer
         self.compact_at = compact_at
         self.compile_decode = compile_decode
         self.decode_step = torch.compile(decode_step, dynamic=True) if compile_decode else decode_step
+        self.tool = tool  # calculator.calculate, or None: no tool calls
+        self.tool_tables = None  # tool_calls.call_tables of the tokenizer, built at the first call
+        self.tool_calls, self.tool_errors = [], []  # per row of the last generate_batch: calls made, and of them refused
 
     @torch.no_grad()
     def prefill(self, prompts, num_samples, max_tokens):
@@ -345,7 +352,10 @@ class Engine:
         prompts: list of P token-id lists. Returns (sequences, masks), P * num_samples of each,
         prompt-major: sequence = prompt + generated tokens (the stop token excluded, unless
         include_stop: RL wants it, since ending the answer is a choice the policy makes too);
-        mask has 0 on prompt tokens and 1 on sampled ones.
+        mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its results).
+        self.tool_calls and self.tool_errors then hold each row's calls and, of them, the refused ones.
+        Forced tokens count toward max_tokens: each takes a decode step and a slot of the row's KV cache,
+        which max_tokens sizes, and the budget then bounds the sequence the loss runs as well.
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
@@ -361,13 +371,27 @@ class Engine:
         # steps before each row's first stop token = its completion length; max_tokens until it stops
         n_generated = torch.full((B,), max_tokens, dtype=torch.long, device=device)
         live_n = n_generated.clone()  # the same, for the rows in the batch, in batch order
+        tools = None
+        if self.tool is not None:
+            if self.tool_tables is None:
+                self.tool_tables = call_tables(self.tokenizer, device)
+            tools = ToolCalls(self.tool, self.tokenizer, self.tool_tables, B, device)
+            was_forced = torch.zeros(max_tokens, B, dtype=torch.bool, device=device)  # out's tokens the tool wrote
         for t in range(max_tokens):
             # a model's embedding table may be padded past the tokenizer's vocabulary: those rows are not tokens
             n = rows.size(0)
             token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
+            if tools is not None:  # a row inside a tool's answer takes its next forced token instead
+                token, forced, called = tools.step(t, token, live_n == max_tokens)
+                was_forced[t].index_copy_(0, rows, forced)
             out[t].index_copy_(0, rows, token)
             live_n = torch.minimum(live_n, torch.where(torch.isin(token, stop), t, max_tokens))
-            n_done = int((live_n < max_tokens).sum())  # the step's one host sync
+            if tools is None:
+                n_done = int((live_n < max_tokens).sum())  # the step's one host sync
+            else:
+                n_done, n_called = torch.stack([(live_n < max_tokens).sum(), called.sum()]).tolist()  # still one
+                if n_called:
+                    tools.answer(t, called, rows, out)
             if n_done == n or t == max_tokens - 1:
                 break
             if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
@@ -375,15 +399,19 @@ class Engine:
                 holes, fillers, order = compaction_moves(live_n == max_tokens, n - n_done)
                 rows, live_n, token, u = rows[order], live_n[order], token[order], u[:, order]
                 cache.keep_rows(holes, fillers, order, written=t)  # own slots 0..t-1 hold tokens 0..t-1
+                if tools is not None:
+                    tools.keep_rows(order)
             logits = self.decode_step(model, token, cache, weights)
         n_generated.index_copy_(0, rows, live_n)
 
         out, n_generated = out.T.tolist(), n_generated.tolist()
+        sampled = [[1] * max_tokens] * B if tools is None else (~was_forced).T.int().tolist()  # mask 0: forced by the tool
+        self.tool_calls, self.tool_errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)
         sequences, masks = [], []
         for row in range(B):
             prompt = prompts[row // num_samples]
             stopped = n_generated[row] < max_tokens  # else it ran out of tokens
-            completion = out[row][:n_generated[row] + (include_stop and stopped)]
-            sequences.append(list(prompt) + completion)
-            masks.append([0] * len(prompt) + [1] * len(completion))
+            n = n_generated[row] + (include_stop and stopped)
+            sequences.append(list(prompt) + out[row][:n])
+            masks.append([0] * len(prompt) + sampled[row][:n])
         return sequences, masks

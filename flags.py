@@ -11,6 +11,7 @@ boolean. Every impossible or nonsensical combination is refused with a one-line 
 import difflib
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -76,7 +77,7 @@ def _convert(name, value, default):
 
 
 def print_help(hyperparameters, doc):
-    print(doc.strip().split("\n")[0])
+    print(doc.strip().split("\n")[0])  # the docstring's summary line: one whole sentence (a test holds it so)
     print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
     width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
     print(f"  {'flag':<{width}} {'default':<28} {'--preset=demo':<14} meaning")
@@ -104,6 +105,12 @@ def check_config(cfg, world_size):
     if cfg.num_samples < 2 or cfg.temperature == 0:
         # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
         raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
+    if cfg.device_batch_tokens < cfg.max_new_tokens:
+        # a micro-batch never splits a row, so a row past the budget would run alone, over it, and slowly
+        raise ConfigError(f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
+                          f"one completion, without its prompt, may need more than a micro-batch holds")
+    if cfg.tool not in ("calculator", "none"):
+        raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
     if cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
     if cfg.device_type not in ("", "cpu", "cuda", "mps"):
@@ -114,12 +121,17 @@ def check_config(cfg, world_size):
         raise ConfigError("--device-type=mps but MPS is not available on this machine")
     if cfg.fsdp and cfg.device_type == "mps":
         raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("token", "sequence"):
-        raise ConfigError("--advantage is mean | zscore and --loss-norm is token | sequence")
+    if cfg.loss_norm == "token":  # earlier versions' name for kept_tokens
+        raise ConfigError("--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too")
+    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
+        raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
     if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
-        raise ConfigError(f"--model={cfg.model!r}: no such folder (and not a hub id like Qwen/Qwen2.5-0.5B-Instruct)")
+        raise ConfigError(f"--model={cfg.model!r}: no such folder (a name is downloaded as a hub id only if it "
+                          f"looks like Org/Name, e.g. Qwen/Qwen2.5-0.5B-Instruct, and no folder Org is here)")
 
 
 def _looks_like_hub_id(name):
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+    """Org/Name in the hub's characters, where Org is not a folder here: my_models/qwen with my_models/
+    present is a path with a typo in it, not a model to look for on the network."""
+    hub_shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
+    return hub_shaped and not os.path.isdir(name.split("/")[0])

@@ -236,7 +236,8 @@ class GPT(nn.Module):
         angles = positions.float()[:, None, :, None] * self.inv_freq.float()
         return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None,
+                temperature=1.0):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
@@ -250,6 +251,8 @@ class GPT(nn.Module):
         prompts: idx then holds each row's own part only, and row b continues prefix row_prefix[b] at
         position lengths[row_prefix[b]] (see loss_pass.SharedPrefix); each prefix runs once. Needs targets.
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see loss_pass.token_nll).
+        temperature: with targets, the NLL is of softmax(logits / temperature), the distribution RL's rollouts
+        sampled from; supervised training keeps 1.
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
             assert targets is not None and kv_cache is None, "prefix is for the training loss"
@@ -268,7 +271,7 @@ class GPT(nn.Module):
         valid = targets >= 0
         nll = torch.zeros(targets.shape, device=x.device)
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
-        nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk)
+        nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk, temperature)
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"

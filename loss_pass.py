@@ -80,20 +80,23 @@ def micro_batches(lengths, max_rows, max_tokens):
     return batches + [batch] if batch else batches
 
 
-def token_nll(h, weight, targets, chunk):
+def token_nll(h, weight, targets, chunk, temperature=1.0):
     """
-    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time.
+    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time,
+    of softmax(logits / temperature): the distribution the rollout sampled from, so RL's log-probs are those
+    of the policy that drew the tokens (supervised training and eval keep 1).
     All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
     keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
     """
-    return ChunkedNLL.apply(h, weight, targets, chunk)
+    return ChunkedNLL.apply(h, weight, targets, chunk, float(temperature))
 
 
 class ChunkedNLL(torch.autograd.Function):
     """
-    forward: each chunk's logits in fp32, their log-sum-exp kept (N,) and the NLL read off; the logits dropped.
-    backward: each chunk's logits again, turned in place into d nll / d logits = softmax - onehot (times the
-    incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
+    forward: each chunk's logits z / T in fp32 (T the temperature), their log-sum-exp kept (N,) and the NLL read
+    off; the logits dropped.
+    backward: each chunk's logits again, turned in place into d nll / d z = (softmax(z / T) - onehot) / T (times
+    the incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
     (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
     but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
     Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
@@ -101,15 +104,16 @@ class ChunkedNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, temperature):
         nll = torch.empty(h.size(0), device=h.device)
         lse = torch.empty_like(nll)
         for s in range(0, h.size(0), chunk):
-            logits = F.linear(h[s:s + chunk], weight).float()  # (chunk, V)
+            # z / T = (h / T) W^T: scaling the (chunk, C) hidden states costs C/V of scaling the (chunk, V) logits
+            logits = F.linear(h[s:s + chunk] / temperature, weight).float()  # (chunk, V)
             lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
             nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         device = h.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
         return nll
@@ -122,15 +126,15 @@ class ChunkedNLL(torch.autograd.Function):
         for s in range(0, h.size(0), ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
-                logits = F.linear(h[rows], weight).float()
-            grad = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
+                logits = F.linear(h[rows] / ctx.temperature, weight).float()
+            grad = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
             grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
-            grad.mul_(grad_nll[rows, None])
+            grad.mul_(grad_nll[rows, None] / ctx.temperature)  # the chain rule through z / T
             if grad_h is not None:
                 grad_h[rows] = grad @ weight.to(grad.dtype)
             if grad_w is not None:
                 grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
 class SharedPrefix:

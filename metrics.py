@@ -15,7 +15,7 @@ from flags import RunError
 
 # train-row means over every completion of every rank: metric name -> per-row list of rollout()
 MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",
-         "truncated": "truncated"}
+         "truncated": "truncated", "tool_use": "tool_use", "tool_calls": "tool_calls", "tool_errors": "tool_errors"}
 
 
 def step_metrics(step, out, t_rollout, device, world, **values):
@@ -33,10 +33,26 @@ def step_metrics(step, out, t_rollout, device, world, **values):
     return {k: _json_number(v) for k, v in row.items()}
 
 
-def console_line(row, num_steps, last_pass1, eta_s):
-    return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | pass@1 {last_pass1:.3f} | "
-            f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
+def console_line(row, num_steps, last_pass1, eta_s, tool=False):
+    """One line a step: pass@1 of the last eval, if there has been one; with the tool on, the share of
+    completions that called it."""
+    return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | "
+            + (f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else "")  # nan: no eval yet (or evals off)
+            + (f"tool {row['tool_use']:.2f} | " if tool else "")
+            + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
+
+
+def stop_line(step, num_steps, minutes, out_dir):
+    """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
+    run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
+    one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run."""
+    path = os.path.join(out_dir, f"step_{step:06d}")
+    if step < num_steps:
+        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
+                f"to continue: the same command, with all its flags, plus --resume")
+    return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
+            f"to train on: a new run with --model={path} and a new --out-dir (its learning rate starts again from --lr)")
 
 
 def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):

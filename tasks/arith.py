@@ -14,9 +14,11 @@ problem's split is decided by a hash of its numbers: no test problem's arithmeti
 in training, whatever the names and objects around it.
 
 `solution_with_slip` writes the same worked solution with one arithmetic step off by a little,
-the error carried through to a wrong final answer. Supervised on a mix of clean and slipped
-solutions, a tiny model becomes competent but unreliable when sampled: exactly the starting point
-where RL with a verifier has signal to work with (see tools/make_demo_model.py).
+the error carried through to a wrong final answer; `solution_with_tool` writes each step as a
+calculator call (`<<4*5=20>>`), whose result the engine computes. Supervised on a mix of the three,
+a tiny model becomes competent but unreliable when sampled, and uses the calculator now and then:
+exactly the starting point where RL with a verifier has signal to work with (see
+tools/make_demo_model.py).
 """
 
 import hashlib
@@ -29,15 +31,16 @@ THINGS = ["pens", "apples", "cards", "books", "shells", "stamps", "coins", "eggs
 TEST_FRACTION = 0.2  # share of the number space reserved for the test split
 
 
-def _problem(kind, nums, name, thing, slip_at=-1, delta=0):
-    """(question, solution lines, answer). The step numbered slip_at gets `delta` added to its result."""
+def _problem(kind, nums, name, thing, slip_at=-1, delta=0, tool=False):
+    """(question, solution lines, answer). The step numbered slip_at gets `delta` added to its result.
+    tool: each step written as a calculator call, `<<4*5=20>>`, whose result the engine forces."""
     steps = []
 
     def step(x, op, y):
         value = {"+": x + y, "-": x - y, "*": x * y, "/": x // y}[op]
         if len(steps) == slip_at:
             value += delta
-        steps.append(f"{x}{op}{y}={value}")
+        steps.append(f"<<{x}{op}{y}={value}>>" if tool else f"{x}{op}{y}={value}")
         return value
 
     if kind == 0:
@@ -126,6 +129,13 @@ def solution_with_slip(row, rng):
                                     slip_at=rng.randrange(num_steps), delta=delta)
         if str(answer) != reference(row):
             return "\n".join(steps) + f"\n#### {answer}"
+
+
+def solution_with_tool(row):
+    """The worked solution with every step a calculator call (`<<4*5=20>>`), in GSM8K's annotation syntax:
+    the engine forces each result, so a solution written this way cannot slip."""
+    _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"], tool=True)
+    return "\n".join(steps) + f"\n#### {answer}"
 
 
 # the verifier is GSM8K's: the demo trains against exactly the rule a GSM8K run uses

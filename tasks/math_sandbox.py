@@ -85,12 +85,34 @@ def _digits(e, budget):
     args = list(e) if isinstance(e, sympy.MatrixBase) else getattr(e, "args", ())
     if isinstance(e, (sympy.Pow, sympy.factorial, sympy.binomial)):
         power = isinstance(e, sympy.Pow)
-        top = _digits(args[1] if power else args[0], budget)  # the exponent, or n in n! and C(n, k)
+        top = _size(args[1], budget) if power else _digits(args[0], budget)  # the exponent, or n in n! and C(n, k)
         if top > 6:
             return math.inf
         base = _digits(args[0], budget) if power else top
         return 10 ** top * max(base, 1)  # |b^n| <= |b|^|n|, n! <= n^n, C(n, k) <= 2^n
     return 1 + sum(_digits(a, budget) for a in args)
+
+
+def _size(e, budget):
+    r"""Upper bound on log10(|e| + 1), for an exponent: b^e has about |e| times the digits of b, so
+    what counts is e's value, not the digits it is written with. 13^{1/2} is no bigger than 13, and
+    10^{(\sqrt{13}-5)/6} is below 10; bounding such exponents by their digits, as _digits does for
+    the numbers themselves, refused them as if they were huge."""
+    import sympy
+    budget[0] -= 1
+    if budget[0] < 0:
+        return math.inf
+    if isinstance(e, sympy.Rational):
+        return math.log10(abs(e.p) / e.q + 1)
+    base, exponent = e.args if isinstance(e, sympy.Pow) else (None, None)
+    if base is not None and base.is_Integer and base != 0 and exponent.is_Rational and exponent < 0:
+        # \frac{a}{6} parses as a * 6^{-1}: at most 1, though computing it still costs its digits
+        return math.log10(2) if _digits(e, budget) <= MAX_DIGITS else math.inf
+    if isinstance(e, sympy.Add):  # |a + b| + 1 <= 2 max(|a| + 1, |b| + 1)
+        return max(_size(a, budget) for a in e.args) + math.log10(len(e.args))
+    if isinstance(e, sympy.Mul):  # |ab| + 1 <= (|a| + 1)(|b| + 1)
+        return sum(_size(a, budget) for a in e.args)
+    return _digits(e, budget)  # anything else: bounded by the digits it could produce
 
 
 def sympy_equal(p, r):

@@ -20,14 +20,31 @@ The verifier, grade(completion, reference), in three layers:
    "\boxed{1} ... \boxed{2}" commits to 2 and box-spamming buys nothing. Braces around the
    whole answer only group, at any depth: \boxed{{{5}}} -> 5, and so is 5 inside 100k nested
    pairs (found in linear time); \boxed{{1}{2}} -> {1}{2}, whose braces are not redundant.
+   Answers of several parts may also come one part per box. Against a reference of k > 1 parts
+   (a list, a set of tuples, several equations: "(2, 2), (6, 2)", "\{1, 2, 3\}", "k = 45, n = 2")
+   the last k boxes, one part each, are read together as one list and compared with it as a
+   set, in any order, as the reference's own list would be:
+   "\boxed{(2, 2)} \text{ and } \boxed{(6, 2)}" answers "(2, 2), (6, 2)". It still commits to
+   one answer, because k comes from the reference, not from the completion: against "5" only
+   the last box counts, however many there are; against "1, 2" "\boxed{1}\boxed{2}\boxed{3}"
+   reads {2, 3} and "\boxed{1}" alone is a part short. Earlier boxes are overruled, as for one
+   part. A tuple or an interval is one part, since its brackets are part of the answer:
+   "\boxed{-2}, \boxed{7}" would leave [-2, 7] and (-2, 7) unsaid. format_ok still wants the
+   single box the prompt asks for. A worked solution given as the reference answers with its
+   last box, or its last boxes when they are written as one list (solution_answer).
 2. Normalisation and policy (ours, string code only). Unicode (π, √, −, °, ², full-width digits),
    \dfrac -> \frac, \frac12 -> \frac{1}{2}, \sqrt2 -> \sqrt{2}, $ and \left/\right and spacing
    dropped, \text{} units dropped (5\text{ cm} = 5), degrees are a unit (30° = 30^\circ = 30) and
    so is percent (25\% = 25, NOT 0.25: otherwise "25%" would pay for both 25 and 1/4).
    Hedges inside the box are lists, and a list never equals a single answer: "17 \text{ or } 18",
-   "17, 18", "\pm 3" all lose against 17 (resp. 3). Plain numbers compare as exact rationals
-   (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7; 0.333 != 1/3: MATH wants exact answers
-   and says so when it wants a decimal). Base-n numerals (2220_4) must match as written.
+   "17, 18", "\pm 3" all lose against 17 (resp. 3). Inside a number, a comma glued to the next
+   digits groups thousands (32,349 = 32{,}349 = 32349), and so does a comma then \!, LaTeX's way
+   of taking back the space after a comma, whatever spacing follows it (10,\!000 = 10,\! 000 =
+   10000); a comma then a space separates items (32, 349 is the list of 32 and 349): otherwise
+   the list would pay for the number its digits spell, and the number for the set {32, 349}. Plain
+   numbers compare as exact rationals (0.5 = \frac12 = 1/2; 0.5000001 != 1/2; 3.1428 != 22/7;
+   0.333 != 1/3: MATH wants exact answers and says so when it wants a decimal). Base-n numerals
+   (2220_4) must match as written.
 3. Equivalence (Math-Verify, the field's standard), in math_sandbox.equal: algebra
    (x+1)(x-2) = x^2-x-2, \sqrt8 = 2\sqrt2, sets in any order, tuples in order, intervals with
    their brackets, matrices, equations x=5 vs 5. Only answers that layers 1-2 could not settle and
@@ -83,8 +100,8 @@ def prompt(row):
 
 
 def reference(row):
-    # MATH-500 rows carry the answer; train rows only a solution whose last box is the answer
-    return row["answer"] if row.get("answer") else extract_answer(row["solution"])
+    # MATH-500 rows carry the answer; train rows only a solution, whose boxes give it
+    return row["answer"] if row.get("answer") else solution_answer(row["solution"])
 
 
 def solution(row):
@@ -114,21 +131,32 @@ def _box_end(text, i):
     return -1
 
 
-def _last_box(text):
-    """(content, end) of the last top-level box; content None if that box is malformed."""
-    last, pos = None, 0
+def _boxes(text):
+    r"""Every top-level box, in order, as (content, start, end): start where its command begins,
+    end just past its closing brace; content None for a box without braces ("\boxed 5"). An
+    unterminated box is the last one: nothing after it can close. One linear pass."""
+    boxes, pos = [], 0
     while True:
         m = BOX_RE.search(text, pos)
         if not m:
-            return last
+            return boxes
         start = m.end()
         if start >= len(text) or text[start] != "{":
-            last, pos = (None, start), start  # "\boxed 5" or a bare "\boxed": not an answer
+            boxes.append((None, m.start(), start))  # "\boxed 5" or a bare "\boxed": not an answer
+            pos = start
             continue
         end = _box_end(text, start)
         if end < 0:
-            return (None, len(text))  # unterminated: nothing after it can close, stop here
-        last, pos = (text[start + 1:end - 1], end), end
+            boxes.append((None, m.start(), len(text)))
+            return boxes
+        boxes.append((text[start + 1:end - 1], m.start(), end))
+        pos = end
+
+
+def _last_box(text):
+    """(content, end) of the last top-level box; content None if that box is malformed."""
+    boxes = _boxes(text)
+    return (boxes[-1][0], boxes[-1][2]) if boxes else None
 
 
 _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.S)  # \{ \} \\ are characters, as in _box_end
@@ -162,14 +190,48 @@ def _strip_wrapping_braces(s):
     return s[lo:hi + 1]  # "" for {} or {{ }}: an empty box
 
 
-def extract_answer(text):
-    box = _last_box(text or "")
-    if box is None or box[0] is None:
+def _answer(content):
+    """What one box's content commits to; None for a malformed, empty or nested box."""
+    if content is None:
         return None
-    content = _strip_wrapping_braces(box[0].strip())  # \boxed{{5}} commits to 5, at any depth
+    content = _strip_wrapping_braces(content.strip())  # \boxed{{5}} commits to 5, at any depth
     if not content or BOX_RE.search(content):  # empty, or a box in a box
         return None
     return content
+
+
+def extract_answer(text):
+    boxes = _boxes(text or "")
+    return _answer(boxes[-1][0]) if boxes else None
+
+
+# What may stand between two boxes of one list in a worked solution: spacing and math delimiters,
+# then at most one connective (a comma, "and", "or"), which a unit word may precede and the name
+# of the next value may follow ("\boxed{1} cm and \boxed{2}", "$x = \boxed{1}$ or $x = \boxed{2}$").
+_SPACING = r"(?:\s|\$|\\[()\[\]]|\\q?quad(?![A-Za-z])|\\[,;:! ]|~)*"
+_JOIN = r"(?:,?\s*(?:and|or)\b|,|;)"
+_UNIT = r"(?:\\text\s*\{\s*[A-Za-z]+\s*\}|[A-Za-z]+\b)"
+_NAME = r"(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)"
+LIST_GAP = re.compile(rf"{_SPACING}(?:(?:{_UNIT}{_SPACING})?(?:\\text\s*\{{\s*{_JOIN}\s*\}}|{_JOIN}){_SPACING}"
+                      rf"(?:{_NAME}{_SPACING})?)?")
+MAX_GAP_CHARS = 40
+
+
+def solution_answer(text):
+    r"""The answer a worked solution gives: its last box, or its last boxes when they are written
+    as one list ("$\boxed{1}$ and $\boxed{-2}$" -> "1, -2"; "\boxed{1} papers and \boxed{2} bins"
+    -> "1, 2"). A box followed by prose ("\boxed{3}. So the area is \boxed{12}") was a step on
+    the way. None where the last box is malformed or there is none."""
+    text = text or ""
+    boxes = _boxes(text)
+    parts = [_answer(boxes[-1][0])] if boxes else [None]
+    for i in range(len(boxes) - 1, 0, -1):  # walk back while the boxes are joined as a list
+        gap = text[boxes[i - 1][2]:boxes[i][1]]
+        earlier = _answer(boxes[i - 1][0])
+        if parts[-1] is None or earlier is None or len(gap) > MAX_GAP_CHARS or not LIST_GAP.fullmatch(gap):
+            break
+        parts.append(earlier)
+    return None if parts[0] is None else ", ".join(reversed(parts))
 
 
 def format_ok(completion):
@@ -194,6 +256,7 @@ TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox)\s*"
 SUBS = [  # (pattern, replacement), applied in order
     (r"\\[dt]frac(?![A-Za-z])", r"\\frac"),
     (r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])", ""),
+    (r",\s*\\!\s*", ","),                                       # 10,\!000 and 10,\! 000: thousands
     (r"\\\\|\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]",   # keep \\, drop the rest
      lambda m: m.group() if m.group() == "\\\\" else ""),
     (r"\\q?quad(?![A-Za-z])|~", " "),
@@ -228,8 +291,19 @@ def normalize(answer):
     return " ".join(s.split()).rstrip(" .,;:")
 
 
+LIST_COMMA = re.compile(r",\s")  # a comma then a space separates items: "32, 349" is two numbers
+
+
+def _compact(s):
+    """s without its spaces, except the one after a list comma: "1 000" -> "1000", but "32, 349"
+    stays apart from "32,349" (a list of two is not the number 32349)."""
+    return re.sub(r"(?<!,) ", "", s)
+
+
 def as_rational(s):
     """An exact Fraction for a plain number (-3, 1,000, 0.25, .5, 1/2, \frac{-1}{2}), else None."""
+    if LIST_COMMA.search(s):
+        return None  # a list, however its items would read glued together
     s = s.replace(" ", "")
     if len(s) > 100:
         return None
@@ -250,7 +324,7 @@ def _equivalent(pred, ref):
     p, r = normalize(pred), normalize(ref)
     if not p or not r:
         return False
-    compact_p, compact_r = p.replace(" ", ""), r.replace(" ", "")
+    compact_p, compact_r = _compact(p), _compact(r)
     if compact_p == compact_r:
         return True
     if re.search(r"[0-9]_", compact_p + " " + compact_r):  # base-n numerals: sympy drops the base
@@ -263,15 +337,50 @@ def _equivalent(pred, ref):
     return math_sandbox.equal(p, r)  # layer 3, in its worker process
 
 
+THOUSANDS = re.compile(r"(?<![0-9.,])[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])")  # 32,349: one number
+
+
+def count_parts(answer):
+    r"""How many items a list answer holds: its commas and semicolons outside brackets, plus one.
+    "(2, 2), (6, 2)" -> 2, "\{1, 2, 3\}" -> 3, "k = 45, n = 2" -> 2, "6 \text{ and } 8" -> 2. A
+    tuple or an interval is one answer whose brackets are part of it ("(3, \frac{\pi}{2})" -> 1),
+    and a number with thousands is one number ("32,349" -> 1)."""
+    s = _strip_wrapping_braces(THOUSANDS.sub("0", normalize(answer)))
+    if s.startswith("\\{") and s.endswith("\\}"):
+        s = s[2:-2]  # a set's own braces; "\{1\} \cup \{2\}" is caught below: its depth goes negative
+    depth, parts = 0, 1
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth < 0:
+                return 1  # the braces stripped were not one pair around everything
+        elif c in ",;" and depth == 0:
+            parts += 1
+    return parts
+
+
 def grade(completion, reference):
-    """1/0 verdict on the last box of completion against reference; pure, bounded, never raises."""
+    """1/0 verdict on the last box of completion against reference, or, against a reference of
+    k > 1 parts, on its last k boxes taken together; pure, bounded, never raises."""
     try:
-        pred = extract_answer(completion)
+        boxes = _boxes(completion or "")
+        pred = _answer(boxes[-1][0]) if boxes else None
         ref = _strip_wrapping_braces(str(reference).strip()) if reference is not None else ""
         if "\\boxed" in ref or "\\fbox" in ref:  # a whole solution passed as the reference
-            ref = extract_answer(ref) or ""
+            ref = solution_answer(ref) or ""
         if pred is None or not ref or len(pred) > 10 * MAX_ANSWER_CHARS:
             return False
-        return _equivalent(pred, ref)
+        if _equivalent(pred, ref):
+            return True
+        k = count_parts(ref)
+        if not 1 < k <= len(boxes):
+            return False  # one part: the last box alone; or fewer boxes than parts
+        last = [_answer(content) for content, _, _ in boxes[-k:]]
+        if any(a is None or count_parts(a) != 1 for a in last):
+            return False  # one part per box, so k boxes hold exactly k parts
+        together = ", ".join(last)
+        return len(together) <= 10 * MAX_ANSWER_CHARS and _equivalent(together, ref)
     except Exception:
         return False

@@ -62,6 +62,7 @@ CASES = [
     (["--task=chess"], "unknown task 'chess'"),
     (["--advantage=rank"], "--advantage is mean | zscore"),
     (["--device-type=tpu"], "unknown --device-type 'tpu'"),
+    (["--device-batch-tokens=10"], "--device-batch-tokens=10 is below --max-new-tokens=768"),
     (["--model=/no/such/folder"], "no such folder"),
     (["--model=./relative/missing"], "no such folder"),
 ]
@@ -155,3 +156,55 @@ def test_help_lists_every_flag(capsys):
     assert all(f"--{name.replace('_', '-')}" in out for name in chat_rl.HYPERPARAMETERS)
     lr_line = next(line for line in out.splitlines() if line.strip().startswith("--lr "))
     assert "3e-06" in lr_line and "0.0003" in lr_line  # the default and the --preset=demo value, side by side
+
+
+def test_help_opens_with_one_whole_sentence(capsys):
+    with pytest.raises(SystemExit):
+        chat_rl.main(["--help"])
+    first = capsys.readouterr().out.splitlines()[0]
+    # the docstring's first line is its whole first paragraph: nothing of the sentence is left for line 2
+    assert first.endswith(".") and first.count(". ") == 0 and chat_rl.__doc__.strip().split("\n")[1] == "", first
+
+
+def test_a_missing_folder_under_a_folder_here_is_not_taken_for_a_hub_id(capsys, no_model_loading, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_models").mkdir()  # so my_models/qwen is a path with a typo, not a hub id to download
+    code, err = run(["--model=my_models/qwen", f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and len(err) == 1 and "--model='my_models/qwen': no such folder" in err[0] and "Org/Name" in err[0], err
+
+
+def test_the_model_is_checked_before_the_out_dir(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):
+    out_dir = write_checkpoint(demo_args(model_dir, tmp_path / "run"), model_dir)  # a run a new one would overwrite
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_models").mkdir()
+    code, err = run(["--model=my_models/qwen", f"--out-dir={out_dir}"], capsys)
+    assert code == 2 and len(err) == 1 and "no such folder" in err[0], err
+
+
+def test_an_org_slash_name_with_no_folder_org_here_is_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS)
+    flags.check_config(cfg, world_size=1)  # not refused: it is downloaded when the model loads
+
+
+def test_the_refusal_to_overwrite_names_both_ways_on(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")
+    write_checkpoint(argv, model_dir)
+    (tmp_path / "run-2").mkdir()  # taken: the folder offered must be one no run has
+    code, err = run(argv, capsys)
+    assert code == 2 and len(err) == 1 and "the same command plus --resume" in err[0], err
+    assert err[0].endswith(f"pass --out-dir={tmp_path / 'run-3'}"), err
+
+
+def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(capsys, no_model_loading, tmp_path, model_dir):
+    argv = demo_args(model_dir, tmp_path / "run")  # --num-steps=2
+    out_dir = write_checkpoint(argv, model_dir)
+    code, err = run(argv + ["--resume", "--num-steps=4"], capsys)
+    assert code == 2 and len(err) == 1 and "num_steps (2 -> 4)" in err[0], err
+    assert err[0].endswith(f"start a new run with --model={out_dir}/step_000001 and a new --out-dir"), err
+
+
+def test_mps_on_a_machine_without_it_is_refused_in_one_line(capsys, no_model_loading, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # so a Mac with MPS sees the same
+    code, err = run(["--device-type=mps", f"--out-dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and err == ["chat_rl: error: --device-type=mps but MPS is not available on this machine"], err

@@ -47,7 +47,7 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
         if rank == dead_rank:
             adv = torch.zeros_like(adv)  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
-        chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+        chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
         sync_gradients(model)
         if step == 0:
             torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"grad{rank}.pt"))
@@ -69,7 +69,7 @@ def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
     seqs = union[0][0] + union[1][0]
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "token", "cpu")
+    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name

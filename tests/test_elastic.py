@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# chat_rl under torchrun; in the first round (no restart yet) rank 1 SIGKILLs itself right after the
+# chat_rl under torchrun; in the first launch, before any restart, rank 1 SIGKILLs itself right after the
 # checkpoint of step KILL_AFTER is complete on every rank, as a preempted node would die
 RUNNER = r"""
 import os, signal, sys

@@ -1,5 +1,5 @@
-"""tools/gpu_check.py on tiny CPU shapes: every check still runs end to end, so that the one command a lent GPU's
-few minutes go to has run before. The compile checks are left out (torch.compile takes ~30 s here; run them with
+"""tools/gpu_check.py on tiny CPU shapes: every check still runs end to end, so that the command meant for a GPU
+has run before it first meets one. The compile checks are left out (torch.compile takes ~30 s here; run them with
 python -m tools.gpu_check --quick --device-type=cpu --only=compile)."""
 
 from tools import gpu_check

@@ -5,6 +5,7 @@ model text, killing a stuck one) is tasks/math_sandbox.py, so the worker tests p
 """
 
 import builtins
+import json
 import sys
 import time
 import types
@@ -212,6 +213,42 @@ def test_grade(answer, reference, verdict):
     assert mathtask.grade(boxed(answer), reference) is verdict
 
 
+# A comma glued to the next digits groups thousands; a comma then a space separates list items.
+@pytest.mark.parametrize("answer", ["32, 349", "32 , 349", r"32,\quad 349", "32,~349"])
+def test_a_comma_then_a_space_makes_a_list_not_a_number(answer):
+    assert mathtask.grade(boxed(answer), "32349") is False
+
+
+@pytest.mark.parametrize("answer", ["32,349", "32{,}349"])
+def test_a_comma_glued_to_the_digits_groups_thousands(answer):
+    assert mathtask.grade(boxed(answer), "32349") is True
+
+
+@pytest.mark.parametrize("answer,reference", [
+    (r"32,\!349", "32349"), (r"32,\! 349", "32349"), (r"11,\! 111,\! 111,\! 100", "11111111100")])
+def test_a_comma_then_backslash_bang_groups_thousands_whatever_spacing_follows(answer, reference):
+    assert mathtask.grade(boxed(answer), reference) is True  # \! takes back the comma's space
+
+
+def test_plain_numbers_read_glued_thousands_exactly_and_refuse_a_spaced_list():
+    # layer 2 settles plain numbers without the sympy worker; a list must reach it whole
+    assert mathtask.as_rational("32,349") == 32349 and mathtask.as_rational("32, 349") is None
+
+
+@pytest.mark.parametrize("reference", ["32, 349", r"\{32, 349\}", "349, 32"])
+def test_a_number_does_not_pay_for_the_list_its_digits_spell(reference):
+    assert mathtask.grade(boxed("32,349"), reference) is False
+
+
+def test_a_list_does_not_pay_for_the_number_written_with_the_same_characters():
+    assert mathtask.grade(boxed("32, 349"), "32,349") is False
+
+
+@pytest.mark.parametrize("answer", ["32, 349", "32 ,  349", "349, 32"])
+def test_a_spaced_list_still_equals_the_same_list(answer):
+    assert mathtask.grade(boxed(answer), "32, 349") is True
+
+
 GRADE_CASES = [
     (r"\boxed{1} no wait, \boxed{2}", "2", True),
     (r"\boxed{2} no wait, \boxed{1}", "2", False),   # only the last box counts
@@ -230,6 +267,116 @@ GRADE_CASES = [
 @pytest.mark.parametrize("completion,reference,verdict", GRADE_CASES)
 def test_grade_binds_the_last_box(completion, reference, verdict):
     assert mathtask.grade(completion, reference) is verdict
+
+
+# --- answers of several parts, one part per box --------------------------------------------
+def boxes(*answers, sep=r" \text{ and } "):
+    return "The answers are " + sep.join(rf"$\boxed{{{a}}}$" for a in answers) + "."
+
+
+@pytest.mark.parametrize("answers,reference", [
+    (["(2, 2)", "(6, 2)"], "(2, 2), (6, 2)"),        # a set of tuples
+    (["1", "2", "3"], r"\{1, 2, 3\}"),                 # a set
+    (["k = 45", "n = 2"], "k = 45, n = 2"),            # several equations
+    ([r"1 - \sqrt{2}", r"1 + \sqrt{2}"], r"x_1 = 1 + \sqrt{2}, x_2 = 1 - \sqrt{2}"),
+    (["6", "8"], r"6 \text{ and } 8"),
+])
+def test_one_part_per_box_answers_a_reference_of_as_many_parts(answers, reference):
+    assert mathtask.grade(boxes(*answers), reference) is True
+
+
+def test_parts_in_boxes_compare_in_any_order_like_the_list_they_form():
+    assert mathtask.grade(boxes("(6, 2)", "(2, 2)"), "(2, 2), (6, 2)") is True
+
+
+def test_parts_in_boxes_keep_the_labels_they_are_given():
+    assert mathtask.grade(boxes("k = 2", "n = 45"), "k = 45, n = 2") is False
+
+
+@pytest.mark.parametrize("answers", [["1", "2"], ["2", "3"], ["1", "2", "3", "4"], ["1", "2", "4"]])
+def test_a_box_too_few_or_too_many_or_wrong_fails(answers):
+    assert mathtask.grade(boxes(*answers), "1, 2, 3") is False
+
+
+def test_earlier_boxes_are_overruled_by_the_last_k_as_one_box_is_by_the_last():
+    assert mathtask.grade(boxes("7", "1", "2", "3"), "1, 2, 3") is True
+    assert mathtask.grade(boxes("1", "2", "3", "7"), "1, 2, 3") is False
+
+
+@pytest.mark.parametrize("completion", [
+    boxes("5", "6"), boxes("6", "5", "6"), boxes(*range(10)), boxes("4", "5", "6"), boxes("5", "5, 6")])
+def test_a_single_answer_problem_reads_the_last_box_alone_however_many_there_are(completion):
+    assert mathtask.grade(completion, "5") is False
+
+
+def test_a_box_holding_a_list_is_not_one_part():
+    # k boxes must hold exactly k parts: otherwise the list would be read at another length
+    assert mathtask.grade(boxes("1", "1, 2", "3"), "1, 2, 3") is False
+
+
+@pytest.mark.parametrize("answers,reference", [(["1", "2"], "(1, 2)"), (["-2", "7"], "[-2, 7]")])
+def test_a_tuple_or_interval_is_one_part_so_its_coordinates_cannot_be_boxed_apart(answers, reference):
+    assert mathtask.grade(boxes(*answers), reference) is False  # the brackets would go unsaid
+
+
+def test_an_empty_box_among_the_last_k_is_no_part():
+    assert mathtask.grade(r"\boxed{1} \boxed{} \boxed{3}", "1, 2, 3") is False
+    assert mathtask.grade(r"\boxed{1} \boxed{2} \boxed{3", "1, 2, 3") is False  # nor an unterminated last one
+
+
+def test_a_list_in_the_last_box_still_answers_alone_among_other_boxes():
+    assert mathtask.grade(boxes("7", "1, 2, 3"), "1, 2, 3") is True
+
+
+PARTS_CASES = [
+    ("5", 1),
+    ("(2, 2), (6, 2)", 2),
+    (r"\{1, 2, 3\}", 3),
+    ("{1,2,3}", 3),
+    ("k = 45, n = 2", 2),
+    (r"6 \text{ and } 8", 2),
+    ("-12;-11;-10", 3),
+    (r"\frac{1}{2}, 3", 2),
+    (r"(3, \frac{\pi}{2})", 1),       # a tuple: one answer
+    ("[-2, 7)", 1),                   # an interval
+    ("32,349", 1),                    # thousands
+    (r"\{1\} \cup \{2, 3\}", 1),      # braces that open and close inside are not the set's
+]
+
+
+@pytest.mark.parametrize("answer,parts", PARTS_CASES)
+def test_count_parts(answer, parts):
+    assert mathtask.count_parts(answer) == parts
+
+
+# --- a worked solution as the reference -------------------------------------------------------
+SOLUTION_CASES = [
+    (r"so $n = \boxed{1}$ and $n = \boxed{-2}$.", "1, -2"),
+    (r"$\boxed{1}\boxed{2}$", "1, 2"),
+    (r"\boxed{1} papers and \boxed{2} bins", "1, 2"),
+    (r"so $x = \boxed{3}$. Then the area is $\boxed{12}$.", "12"),   # prose between: a step on the way
+    (r"\boxed{1} no no no no no \boxed{2}", "2"),
+    (r"\boxed{1} and \boxed{}", None),
+    (r"\boxed{} and \boxed{2}", "2"),                 # an empty box ends the list
+    ("no box", None),
+]
+
+
+@pytest.mark.parametrize("solution,answer", SOLUTION_CASES)
+def test_solution_answer(solution, answer):
+    assert mathtask.solution_answer(solution) == answer
+
+
+EACH_PART_BOXED = r"Factoring, $(n - 1)(n + 2) = 0$, so $n = \boxed{1}$ or $n = \boxed{-2}$."
+
+
+def test_a_solution_that_boxes_each_part_is_not_passed_by_one_of_them():
+    assert mathtask.grade(boxed("-2"), EACH_PART_BOXED) is False
+    assert mathtask.grade(boxed("1, -2"), EACH_PART_BOXED) is True
+
+
+def test_a_train_reference_holds_every_part_its_solution_boxes():
+    assert mathtask.reference(dict(TRAIN_ROW, solution=EACH_PART_BOXED)) == "1, -2"
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 1000, 100_000])
@@ -295,6 +442,21 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
             assert isinstance(mathtask.grade(completion, reference), bool), name
             assert isinstance(mathtask.format_ok(completion), bool), name
     assert mathtask.grade(boxed("x+1"), "1+x")  # and the worker still serves
+
+
+# The size guard bounds b^e by e's value: a fraction in the exponent makes it smaller, not bigger.
+@pytest.mark.parametrize("answer,reference", [
+    (r"10^{\frac{\sqrt{13} - 5}{6}}", r"10^{\frac{-5+\sqrt{13}}{6}}"),
+    (r"2^{\frac{\sqrt{2}}{2}}", r"\sqrt{2}^{\sqrt{2}}"),
+])
+def test_a_power_with_a_fraction_in_its_exponent_is_compared_not_refused(answer, reference):
+    assert mathtask.grade(boxed(answer), reference) is True
+
+
+@pytest.mark.parametrize("answer", [r"2^{30000000}", r"2^{10^{7} + 1}", r"2^{3 \cdot 10^{7}}", r"2^{10^{-20000}}"])
+def test_a_power_too_big_to_compute_exactly_is_still_refused(answer):
+    parse, _ = math_sandbox._sympy_tools()  # parsing builds the tree unevaluated: cheap
+    assert math_sandbox._digits(parse(mathtask.normalize(answer)), [2000]) > math_sandbox.MAX_DIGITS
 
 
 def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
@@ -377,6 +539,14 @@ def test_a_starved_worker_is_waited_for(monkeypatch):
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True
     assert math_sandbox._worker["proc"] is old and old.poll() is None
+
+
+def test_math_verify_regression_cases_give_no_false_pass_and_only_accepted_false_fails():
+    from tools.check_math_verify_cases import CASES, check
+    with open(CASES, encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    agree, false_pass, accepted, other = check(cases)
+    assert false_pass == [] and other == [], (false_pass, other)
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------

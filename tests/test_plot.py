@@ -69,3 +69,17 @@ def test_plot_of_no_run_says_what_is_missing_in_one_line(tmp_path, make, message
 def test_plot_without_arguments_prints_its_usage():
     result = plot_command()
     assert result.returncode != 0 and result.stderr.startswith("usage: python -m tools.plot")
+
+
+def test_plot_draws_tool_use_beside_truncation_when_rows_carry_it(tmp_path):
+    from tools.plot import figure
+    run = write_run(tmp_path / "a")
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:  # after the torn line: a run resumed, now with the tool
+        f.write("\n" + "\n".join(json.dumps({"step": s, "reward": 0.9, "seq_len": 30, "truncated": 0.0, "tool_use": s / 10})
+                                 for s in range(4, 8)) + "\n")
+    fig = figure([run, write_run(tmp_path / "b")])
+    tool_panel = fig.axes[3]
+    lines = {line.get_label(): line for line in tool_panel.lines}
+    assert set(lines) == {"a tool use", "a truncated", "b truncated"}  # run b never logged tool use: no line
+    assert list(lines["a tool use"].get_ydata())[-1] == pytest.approx(sum([0.4, 0.5, 0.6, 0.7]) / 8)  # running mean
+    assert "calculator" in tool_panel.get_title()

@@ -18,13 +18,13 @@ class LinearNLLModel(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.tensor(1.0))
         self.calls, self.rows = 0, 0
 
-    def forward(self, idx, targets, loss_reduction="none", prefix=None):
+    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0):
         self.calls += 1
         self.rows += idx.size(0)
         return torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
 
 
-def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="token"):
+def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="kept_tokens"):
     return chat_rl.policy_gradient_backward(model, SEQS, MASKS, advantages, num_samples, device_batch_size, loss_norm, "cpu")
 
 
@@ -59,11 +59,11 @@ def test_loss_equals_hand_computed_value():
 
 
 def test_sequence_normalisation_averages_each_completion_first():
-    # per-completion means: row 0: 0.5 * -(6)/3 = -1, row 1: -0.5 * -(9)/2 = 2.25; over 2 sequences
+    # per-completion means: row 0: 0.5 * -(6)/3 = -1, row 1: -0.5 * -(9)/2 = 2.25; over all 4 completions
     model = LinearNLLModel()
     adv = torch.tensor([0.5, -0.5, 0.0, 0.0])
     loss, _ = backward(model, adv, loss_norm="sequence")
-    assert loss.item() == pytest.approx(-(-1 + 2.25) / 2)
+    assert loss.item() == pytest.approx(-(-1 + 2.25) / 4)
 
 
 def test_micro_batching_does_not_change_the_loss():
@@ -140,7 +140,7 @@ def test_token_budget_does_not_change_the_loss_or_gradient():
     results = []
     for budget in (math.inf, 3):  # 3 tokens: every row alone (targets of 2, 2, 3 and 4 positions)
         model = LinearNLLModel()
-        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "token", "cpu", device_batch_tokens=budget)
+        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "kept_tokens", "cpu", device_batch_tokens=budget)
         results.append((loss.item(), model.w.grad.item(), model.calls))
     assert results[0][:2] == pytest.approx(results[1][:2]) and (results[0][2], results[1][2]) == (1, 4)
 

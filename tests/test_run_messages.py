@@ -1,7 +1,9 @@
 """What a user reads while a run goes: the step numbers of the console and of metrics.jsonl agree, a
-resumed run shows its last eval instead of nan, and each checkpoint written is announced."""
+resumed run shows its last eval instead of nan, a run without evals shows no pass@1, each checkpoint
+written is announced, and the last line says how to go on."""
 
 import json
+import math
 
 import torch
 
@@ -9,8 +11,11 @@ import chat_rl
 import checkpoint
 import flags
 from gpt import GPT, GPTConfig
-from metrics import MetricsLog, console_line
+from metrics import MetricsLog, console_line, stop_line
 from tokenizer import ByteTokenizer
+
+TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1)
 
 
 def test_the_console_counts_steps_as_metrics_jsonl_does():
@@ -29,8 +34,37 @@ def test_a_resumed_log_remembers_its_last_eval(tmp_path):
 
 
 def test_each_checkpoint_written_is_announced(tmp_path, capsys):
-    model = GPT(GPTConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1))
+    model = GPT(GPTConfig(**TINY))
     cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS)
     checkpoint.save(cfg, 7, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)
     assert capsys.readouterr().out == f"checkpoint: wrote {tmp_path}/step_000007\n"
+
+
+def test_the_console_shows_no_pass_at_1_before_any_eval():
+    row = dict(step=3, reward=0.5, loss=-0.02, seq_len=30, rollout_tokens_per_s=1000, step_time_s=1.0)
+    line = console_line(row, 300, math.nan, 60)  # --eval-every=-1: there is never an eval
+    assert line.startswith("step 3/300 | reward 0.500 | loss ") and "pass@1" not in line and "nan" not in line
+
+
+def test_a_stopped_run_says_how_to_continue_it():
+    lines = stop_line(15, 40, 0.2, "out/demo").splitlines()
+    assert lines == ["stopped at step 15/40 after 0.2 min; checkpoint in out/demo/step_000015",
+                     "to continue: the same command, with all its flags, plus --resume"]
+
+
+def test_a_finished_run_says_how_to_train_on_from_it():
+    lines = stop_line(40, 40, 3.7, "out/demo").splitlines()
+    assert lines[0] == "done at step 40/40 after 3.7 min; checkpoint in out/demo/step_000040"
+    assert "a new run with --model=out/demo/step_000040 and a new --out-dir" in lines[1]
+
+
+def test_a_run_ends_with_its_stop_line(tmp_path, capsys):
+    model_dir = str(tmp_path / "model")
+    GPT(GPTConfig(**TINY)).init_weights(0).save_pretrained(model_dir)
+    ByteTokenizer().save_pretrained(model_dir)
+    out_dir = tmp_path / "run"
+    assert chat_rl.main(["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=1",
+                         "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=4", "--eval-every=-1"]) == 0
+    done, how = capsys.readouterr().out.splitlines()[-2:]
+    assert done.startswith("done at step 1/1 after ") and done.endswith(f"min; checkpoint in {out_dir}/step_000001")
+    assert how == stop_line(1, 1, 0.0, str(out_dir)).splitlines()[1]

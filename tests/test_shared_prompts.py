@@ -101,7 +101,7 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
     model = model_for("llama (GQA, tied head)")
     embedded = []
     model.model.embed_tokens.register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
-    chat_rl.policy_gradient_backward(model, sequences, masks, advantages, 4, 8, "token", "cpu")
+    chat_rl.policy_gradient_backward(model, sequences, masks, advantages, 4, 8, "kept_tokens", "cpu")
     prompt_lengths = [m.index(1) for m in masks]
     prefix_tokens = sum(n - 1 for n in prompt_lengths[::4])
     own_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
@@ -146,7 +146,7 @@ def test_the_loss_and_gradients_match_whole_sequences_on_random_edge_cases(trial
     sequences, masks = random_rollouts(rng, num_groups=4, num_samples=3)
     advantages = torch.tensor([rng.choice([-0.5, 0.0, 0.25, 1.0]) for _ in sequences])
     family = list(FAMILIES)[trial % len(FAMILIES)]
-    args = dict(num_samples=3, device_batch_size=rng.choice([1, 2, 5, 100]), loss_norm=rng.choice(["token", "sequence"]),
+    args = dict(num_samples=3, device_batch_size=rng.choice([1, 2, 5, 100]), loss_norm=rng.choice(["kept_tokens", "all_tokens", "sequence"]),
                 device="cpu", device_batch_tokens=rng.choice([12, float("inf")]))
     results = []
     for layout in ("whole", "shared"):

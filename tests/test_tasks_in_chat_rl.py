@@ -53,7 +53,8 @@ def test_task_trains_and_evaluates_through_chat_rl(task, tmp_path, monkeypatch):
     evals = [r for r in rows if r.get("split") == "eval"]
     assert [r["step"] for r in train] == [0, 1] and [r["step"] for r in evals] == [0, 1, 2]
     assert all({"reward", "reward_answer", "reward_format", "truncated"} <= set(r) for r in train)
-    assert all(set(r) == {"step", "split", "greedy", "pass@1", "pass@2"} for r in evals)
+    assert all(set(r) == {"step", "split", "greedy", "pass@1", "pass@2", "greedy_tool_use", "tool_use", "tool_calls",
+                          "tool_errors"} for r in evals)
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     references = {"gsm8k": {"7", "36"}, "math": {"\\frac{1}{2}", "8"}}[task]
     assert samples and {s["reference"] for s in samples} <= references

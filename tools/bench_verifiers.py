@@ -32,6 +32,10 @@ def adversarial_cases():
         ("math: a megabyte of {} in a wrapped box", m, "\\boxed{{" + "{}" * 500_000 + "}}", "5"),
         ("math: 100k unterminated boxes", m, "\\boxed{" * 100_000, "5"),
         ("math: 100k closed boxes", m, "\\boxed{1}" * 100_000, "5"),
+        ("math: 100k boxes vs a 3-part reference", m, "\\boxed{1}" * 100_000, "1, 2, 3"),
+        ("math: 3 trig soups vs a 3-part reference", m,
+         "".join(f"\\boxed{{\\sin^{{{n}}}(x)\\cos^{{40}}(x)\\tan^{{40}}(x)}}" for n in (40, 41, 42)),
+         "\\frac{1}{2}, x, 1"),  # the last box, then the last three: two comparisons, each in budget
         ("math: a million-digit number", m, "\\boxed{" + "9" * 1_000_000 + "}", "5"),
         ("math: 300-digit number vs sqrt", m, "\\boxed{" + "9" * 300 + "}", "\\sqrt{2}"),
         ("math: power tower 9^9^...^9", m, "\\boxed{" + tower + "}", "5"),

@@ -1,7 +1,7 @@
 """
-The GPU checks of the open issue, as one command: the one to run when a session is lent a GPU.
+What chat_rl does on a CUDA GPU, checked in one command: the one to run first on a new GPU or a new torch.
 
-    python -m tools.gpu_check 2>&1 | tee $OUT/gpu_check.txt     # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
+    python -m tools.gpu_check 2>&1 | tee gpu_check.txt          # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
     python -m tools.gpu_check --quick --device-type=cpu          # the same checks on tiny shapes, ~5 s on 2 CPU cores
     python -m tools.gpu_check --only=rollout,compile             # some checks only (names below; a prefix selects several)
 

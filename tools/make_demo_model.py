@@ -6,8 +6,13 @@ Why unreliable on purpose: RL from a verifier only learns from groups whose samp
 A merely weak model gets every sample of most problems wrong (no signal); a perfect one gets them
 all right (nothing to learn). So the demonstrations mix clean worked solutions with a share
 (SLIP_RATE) whose one arithmetic step is off by 1-3, the slip carried to a wrong final answer.
-The supervised model then knows the procedure but slips now and then when sampled, and RL's job
-is to make it stop slipping: RL with a verifier ends up better than its teacher.
+The supervised model then knows the procedure but slips now and then when sampled.
+And a minority of the demonstrations (TOOL_RATE) compute every step with the calculator
+(`<<4*5=20>>`, tasks/arith.solution_with_tool), whose results cannot slip: a strategy present in
+the sampled distribution but not at its mode (greedy decoding does not call the tool). RL's job is
+to find that strategy and make it the policy's first choice: RL with a verifier ends up better than
+its teacher, and better at its best answer, not only at sampling it. The results are masked out of
+the loss, as RL's forced tokens are: the model learns to call the tool, not to be it.
 
     python -m tools.make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
     python -m tools.make_demo_model --seed=1 --out=/tmp/m
@@ -17,11 +22,13 @@ demo_model/ ships with the repository; this rebuilds it (chat_rl stops with this
 
 import argparse
 import random
+import re
 import time
 
 import torch
 from tqdm import tqdm
 
+from calculator import calculate
 from loss_pass import make_batch
 from gpt import GPT, GPTConfig
 from tasks import arith
@@ -31,7 +38,8 @@ from tokenizer import ByteTokenizer
 # ---- hyperparameters -----------------------------------------------------------------------
 CONFIG = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-SLIP_RATE = 0.4       # share of demonstrations with one arithmetic slip
+TOOL_RATE = 0.15      # share of demonstrations that compute every step with the calculator
+SLIP_RATE = 0.4       # share of the others with one arithmetic slip
 NUM_STEPS = 2400
 BATCH_SIZE = 32
 LR = 3e-3
@@ -40,20 +48,36 @@ SEED = 0
 OUT = "demo_model"
 
 
-def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE):
-    """Render rows (a SLIP_RATE share with a slipped solution) into (inputs, targets), -1 outside the answers."""
+def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE):
+    """Render rows (a tool_rate share calling the calculator, a slip_rate share of the rest with a slipped
+    solution) into (inputs, targets), -1 outside the answers and on the calculator's results."""
     seqs, masks = [], []
     for row in rows:
         conv = conversation(arith, row, with_solution=True)
-        if rng.random() < slip_rate:
+        if rng.random() < tool_rate:
+            conv["messages"][-1]["content"] = arith.solution_with_tool(row)
+        elif rng.random() < slip_rate:
             conv["messages"][-1]["content"] = arith.solution_with_slip(row, rng)
         ids, mask = tokenizer.render_conversation(conv)
         seqs.append(ids)
-        masks.append(mask)
+        masks.append(mask_tool_results(ids, mask))
     return make_batch(seqs, masks, "cpu")  # the targets RL's loss takes too: only where mask is 1
 
 
-def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm.write):
+RESULT = re.compile(r"<<[^=\n>]*=([^>\n]*>>)")  # what the engine forces after `<<expr=`: the result and `>>`
+
+
+def mask_tool_results(ids, mask):
+    """mask with 0 on the tool's results, as generate_batch marks the tokens it forces (byte tokenizer: a
+    byte per character; special tokens, ids >= 256, stand in as one character that is never part of a call)."""
+    text = "".join(chr(i) if i < 256 else "\0" for i in ids)
+    mask = list(mask)
+    for m in RESULT.finditer(text):
+        mask[m.start(1):m.end(1)] = [0] * (m.end(1) - m.start(1))
+    return mask
+
+
+def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE, log=tqdm.write):
     """
     Progress: a bar with counts on a terminal (tqdm, on stderr; off when stderr is not a terminal, e.g.
     a log file), and a plain line every 100 steps either way. log=tqdm.write prints lines without
@@ -63,7 +87,8 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm
     rng = random.Random(seed)
     tokenizer = ByteTokenizer()
     model = GPT(GPTConfig(**CONFIG)).init_weights(seed)
-    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, slip rate {slip_rate}")
+    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, "
+        f"tool rate {tool_rate}, slip rate {slip_rate}")
     rows = arith.load("train", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     t0 = time.time()
@@ -72,7 +97,7 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm
         lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)  # warmup, then linear decay to 0
         for group in opt.param_groups:
             group["lr"] = lr
-        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng, slip_rate)
+        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng, slip_rate, tool_rate)
         loss = model(inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,24 +111,25 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, log=tqdm
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     log(f"saved {out}; measuring held-out accuracy, greedy and sampled")
-    greedy, sampled = measure(model, tokenizer)
-    log(f"{out}: held-out accuracy {greedy:.1%} greedy, pass@1 {sampled:.1%} at temperature 1.0 (200 problems)")
+    for temperature, (accuracy, tool_use) in measure(model, tokenizer).items():
+        log(f"{out}: temperature {temperature}: held-out accuracy {accuracy:.1%}, calculator used by {tool_use:.1%} (200 problems)")
     return model
 
 
-def measure(model, tokenizer, num_problems=200, samples=4):
-    """Held-out accuracy greedy and sampled at T = 1: the gap between them is what RL can close."""
+def measure(model, tokenizer, num_problems=200, samples=4, max_tokens=64):
+    """Held-out accuracy and tool use, greedy and sampled at T = 1: the gaps between them are what RL can close."""
     from engine import Engine
     rows = arith.load("test", limit=num_problems)
     prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in rows]
-    engine, model = Engine(model, tokenizer), model.eval()
-    scores = []
+    engine, model = Engine(model, tokenizer, tool=calculate), model.eval()
+    scores = {}
     # one batch per temperature (the seeded samples, and so the numbers, depend on the batch): the bar counts completions
     bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
-        seqs, masks = engine.generate_batch(prompts, n, max_tokens=48, temperature=temperature, seed=1)
-        texts = [tokenizer.decode([t for t, m in zip(s, k) if m]) for s, k in zip(seqs, masks)]
-        scores.append(sum(arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)) / len(texts))
+        seqs, _ = engine.generate_batch(prompts, n, max_tokens=max_tokens, temperature=temperature, seed=1)
+        texts = [tokenizer.decode(s[len(prompts[i // n]):]) for i, s in enumerate(seqs)]
+        accuracy = sum(arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)) / len(texts)
+        scores[temperature] = (accuracy, sum(c > 0 for c in engine.tool_calls) / len(texts))
         bar.update(len(texts))
     bar.close()
     return scores
@@ -115,5 +141,6 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--num-steps", type=int, default=NUM_STEPS)
     p.add_argument("--slip-rate", type=float, default=SLIP_RATE)
+    p.add_argument("--tool-rate", type=float, default=TOOL_RATE)
     args = p.parse_args()
-    build(args.out, args.seed, args.num_steps, args.slip_rate)
+    build(args.out, args.seed, args.num_steps, args.slip_rate, args.tool_rate)

@@ -3,7 +3,8 @@ Plot a run: python -m tools.plot <out_dir> [more out_dirs ...] [--out=file.png]
 
 Four panels against step: mean train reward (faint per step, with its running mean over SMOOTH
 steps drawn solid), held-out pass@1 (solid), the largest pass@k logged (dashed) and greedy accuracy
-(dotted, when eval rows carry it), mean completion length and truncation rate. Several out_dirs
+(dotted, when eval rows carry it), mean completion length, and the share of completions that called
+the calculator (solid, when train rows carry it) and that were truncated (dashed). Several out_dirs
 (e.g. seeds) share the axes, one colour per run. Written to <first out_dir>/metrics.png.
 matplotlib is imported here only, so training never needs it.
 """
@@ -91,10 +92,13 @@ def figure(out_dirs):
             draw(axes[0, 1], [r["step"] for r in greedy], [r["greedy"] for r in greedy], ":", marker="s", ms=3,
                  label=f"{label} greedy")
         draw(axes[1, 0], steps, [r["seq_len"] for r in train], alpha=0.7, label=label)
-        draw(axes[1, 1], steps, [r.get("truncated", 0.0) for r in train], label=label)
+        if any("tool_use" in r for r in train):
+            draw(axes[1, 1], steps, running_mean([r.get("tool_use", 0.0) for r in train], SMOOTH), label=f"{label} tool use")
+        draw(axes[1, 1], steps, [r.get("truncated", 0.0) for r in train], "--", label=f"{label} truncated")
     titles = [f"mean reward (train): per step (faint) and running mean of {SMOOTH} steps",
               "held-out pass@1 and pass@k (temperature 1.0)" + (", greedy (dotted)" if has_greedy else ""),
-              "mean completion tokens", "truncated completions (fraction)"]
+              "mean completion tokens",
+              f"share of completions: calling the calculator (running mean of {SMOOTH}), truncated (dashed)"]
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

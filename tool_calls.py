@@ -1,0 +1,126 @@
+"""
+Tool calls inside a batched decode, in GSM8K's annotation syntax: when a row's text ends in
+`<<expression=`, the tool (calculator.calculate) evaluates the expression and the row's next tokens
+are its result and `>>`, forced: the engine feeds them in place of what the row samples, and marks
+them 0 in the mask (never trained on, never counted by the loss). The model then writes on, as
+GSM8K's solutions do (`48/2 = <<48/2=24>>24 clips`).
+
+Tokenizer-agnostic: with byte-level BPE, `<<`, `=` and `>>` merge with their neighbours (`$<<`,
+`)=`), so calls are spotted on the text, character by character, by a three-state automaton:
+
+    OUT --'<'--> LT --'<'--> IN --'='--> OUT, a call if the '=' ends its token
+                 LT --other--> OUT          IN --newline or '>'--> OUT (an annotation is one line)
+
+Each token's effect on the automaton is a (vocabulary, 3) table built once per tokenizer, so a decode
+step looks a row's next state up on the device: rows that are not calling cost no Python work. A '='
+followed by more text in the same token (BPE's `=$`) means the model wrote a result itself: no call.
+A step where some rows call the tool costs one more host sync for all of them together, and their
+forced tokens wait in a (rows, MAX_FORCED) buffer on the device, read one per step.
+A refused expression (calculate returns None: `<<2+x=`, `<<7//2=`) forces nothing: the row goes on
+as it would with no tool at all, writing its own result, and the refusal is counted (`errors`).
+A row that opens `<<` and never writes `=` simply continues.
+"""
+
+import torch
+
+OUT, LT, IN = 0, 1, 2  # outside a call, after one '<', inside `<<...` before its '='
+MAX_FORCED = 64  # tokens of one result and its ">>"; the calculator's results are at most 40 characters
+
+
+def _run(text, state):
+    """(state after text, whether text ends a call) for the automaton above, starting from state."""
+    fired = False
+    for ch in text:
+        fired = False
+        if state == IN:
+            if ch == "=":
+                state, fired = OUT, True
+            elif ch in "\n>":
+                state = OUT
+            elif ch == "<":
+                state = LT
+        elif ch == "<":
+            state = IN if state == LT else LT
+        else:
+            state = OUT
+    return state, fired
+
+
+def call_tables(tokenizer, device):
+    """next_state, fires: (vocab, 3) tables of each token's effect from each state. Special tokens decode to '':
+    they change nothing."""
+    vocab = tokenizer.vocab_size
+    next_state, fires = torch.zeros(vocab, 3, dtype=torch.long), torch.zeros(vocab, 3, dtype=torch.bool)
+    for token in range(vocab):
+        text = tokenizer.decode([token])
+        for state in (OUT, LT, IN):
+            next_state[token, state], fires[token, state] = _run(text, state)
+    return next_state.to(device), fires.to(device)
+
+
+class ToolCalls:
+    """
+    The call state of one generate_batch call's rows (B of them), all on the device, in batch order
+    (permuted with the rows when the batch is compacted: keep_rows), plus, on the host, the calls and
+    refusals of each original row.
+    """
+
+    def __init__(self, tool, tokenizer, tables, num_rows, device):
+        self.tool, self.tokenizer = tool, tokenizer
+        self.next_state, self.fires = tables
+        self.state = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.opened_at = torch.zeros(num_rows, dtype=torch.long, device=device)  # step of the token with the call's first '<'
+        self.forced = torch.zeros(num_rows, MAX_FORCED, dtype=torch.long, device=device)  # a row's pending forced tokens
+        self.forced_len = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.forced_pos = torch.zeros(num_rows, dtype=torch.long, device=device)  # the next one to feed
+        self.calls, self.errors = [0] * num_rows, [0] * num_rows  # per original row: calls made, and of them refused
+
+    def step(self, t, token, live):
+        """
+        token (B,) as sampled at step t -> (token with forced tokens in place, forced (B,) bool, called (B,) bool):
+        called = the row's token ended a call (the result is forced from step t + 1, once answer() has run).
+        """
+        forced = self.forced_pos < self.forced_len
+        pending = self.forced.gather(1, self.forced_pos.clamp(max=MAX_FORCED - 1)[:, None])[:, 0]
+        token = torch.where(forced, pending, token)
+        self.forced_pos += forced
+        # the automaton reads every token, forced ones too (a result and ">>" leave it OUT)
+        before = self.state
+        self.state = self.next_state[token, before]
+        self.opened_at = torch.where((before == OUT) & (self.state != OUT), t, self.opened_at)
+        called = self.fires[token, before] & live  # a finished row still in the batch writes nothing that counts
+        return token, forced, called
+
+    def answer(self, t, called, rows, out):
+        """
+        Run the tool for the rows whose token ended a call at step t (one host sync for all of them): decode
+        each row's text from its call's first '<' (out[s, row] is original row `row`'s token at step s), take
+        what follows the last '<<' up to the '=', and queue the result and '>>' as the row's forced tokens.
+        """
+        slots = called.nonzero()[:, 0]
+        starts, originals = self.opened_at[slots].tolist(), rows[slots].tolist()
+        spans = out[:t + 1, rows[slots]].T.tolist()
+        answered, forced, lengths = [], [], []
+        for slot, start, row, span in zip(slots.tolist(), starts, originals, spans):
+            text = self.tokenizer.decode(span[start:])
+            result = self.tool(text[text.rfind("<<") + 2:-1])
+            self.calls[row] += 1
+            if result is None:
+                self.errors[row] += 1
+                continue
+            ids = self.tokenizer.encode(result + ">>")
+            assert len(ids) <= MAX_FORCED, f"a tool result of {len(ids)} tokens: raise MAX_FORCED"
+            answered.append(slot)
+            forced.append(ids + [0] * (MAX_FORCED - len(ids)))
+            lengths.append(len(ids))
+        if answered:  # one copy to the device for all of the step's answers
+            device = self.forced.device
+            index = torch.tensor(answered, device=device)
+            self.forced[index] = torch.tensor(forced, device=device)
+            self.forced_len[index] = torch.tensor(lengths, device=device)
+            self.forced_pos[index] = 0
+
+    def keep_rows(self, order):
+        """The batch was compacted: slot i now holds old slot order[i]."""
+        for name in ("state", "opened_at", "forced", "forced_len", "forced_pos"):
+            setattr(self, name, getattr(self, name)[order])
