@@ -236,14 +236,12 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     batches += [[len(sequences) - 1]] * idle_passes
     for rows in batches:
         prefix, inputs, targets = make_shared_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        adv = advantages[rows].to(device)
-        with autocast:
-            # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
-            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix, temperature=temperature)
-        per_token = logp * adv[:, None]
+        # the loss as each token's NLL (-logp) times its weight, the row's advantage over the normaliser
+        weights = (advantages[rows].to(device) / normaliser)[:, None].expand(targets.shape)
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
-            per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
-        loss = -per_token.sum() / normaliser
+            weights = weights / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
+        with autocast:  # each distinct prompt runs once; the head's gradients come with the forward pass
+            loss = model(inputs, targets, prefix=prefix, temperature=temperature, token_weights=weights)
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum, int(kept_tokens)

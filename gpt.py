@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_folder import config_fields, read_json, resolve_folder, safetensors_files, umask, write_config
-from loss_pass import SharedPrefix, token_nll
+from loss_pass import SharedPrefix, token_nll, weighted_nll
 
 
 @dataclass
@@ -237,7 +237,7 @@ class GPT(nn.Module):
         return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None,
-                temperature=1.0):
+                temperature=1.0, token_weights=None):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
@@ -253,6 +253,8 @@ class GPT(nn.Module):
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see loss_pass.token_nll).
         temperature: with targets, the NLL is of softmax(logits / temperature), the distribution RL's rollouts
         sampled from; supervised training keeps 1.
+        token_weights: (B, T) with targets: returns sum of token_weights * NLL over the valid tokens instead, its
+        gradients made in the same pass over the logits (loss_pass.weighted_nll: the backward projects nothing again).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
             assert targets is not None and kv_cache is None, "prefix is for the training loss"
@@ -269,8 +271,10 @@ class GPT(nn.Module):
         # Project only the positions that have a target (completion tokens): prompt and padding positions
         # would cost a (B, T, V) logit tensor for nothing.
         valid = targets >= 0
-        nll = torch.zeros(targets.shape, device=x.device)
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
+        if token_weights is not None:
+            return weighted_nll(x, self.lm_head.weight, targets[valid], token_weights[valid], chunk, temperature)
+        nll = torch.zeros(targets.shape, device=x.device)
         nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk, temperature)
         if loss_reduction == "none":
             return nll

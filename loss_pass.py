@@ -127,14 +127,67 @@ class ChunkedNLL(torch.autograd.Function):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
                 logits = F.linear(h[rows] / ctx.temperature, weight).float()
-            grad = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
-            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
-            grad.mul_(grad_nll[rows, None] / ctx.temperature)  # the chain rule through z / T
-            if grad_h is not None:
-                grad_h[rows] = grad @ weight.to(grad.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
+            add_chunk_grads(logits, lse[rows], targets[rows], grad_nll[rows] / ctx.temperature, h[rows], weight,
+                            None if grad_h is None else grad_h[rows], grad_w)
         return grad_h, grad_w, None, None, None
+
+
+def add_chunk_grads(logits, lse, targets, scale, h, weight, grad_h, grad_w):
+    """
+    One chunk's share of the gradients of sum_i scale_i * NLL_i with respect to the hidden states and the head:
+    logits (n, V) fp32 of h (n, C), turned in place into d / d logits = (softmax - onehot) * scale (n,), then
+    grad_h (n, C) = that @ weight, written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if
+    None). The gradient matmuls run in fp32, the gradients' dtype, under autocast too.
+    """
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    grad.scatter_add_(1, targets[:, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
+    grad.mul_(scale[:, None])
+    with torch.autocast(h.device.type, enabled=False):
+        if grad_h is not None:
+            torch.matmul(grad, weight.to(grad.dtype), out=grad_h)
+        if grad_w is not None:
+            grad_w.addmm_(grad.t(), h.to(grad.dtype))
+
+
+def weighted_nll(h, weight, targets, token_weights, chunk, temperature=1.0):
+    """
+    sum_i token_weights[i] * NLL_i (a scalar): the loss of token_nll's per-token NLL weighted by a factor known
+    before the forward pass (RL's advantage over the normaliser), with its gradients made in the same pass over
+    the logits (WeightedNLL), so that the backward pass projects nothing again.
+    """
+    return WeightedNLL.apply(h, weight, targets, token_weights, chunk, float(temperature))
+
+
+class WeightedNLL(torch.autograd.Function):
+    """
+    forward: each chunk's logits z / T once: their log-sum-exp and NLL, then in place d / d z of the weighted
+    sum, whose products with the head and the hidden states are the gradients of h and of the head (add_chunk_grads),
+    kept for the backward pass, which scales them by its incoming gradient. ChunkedNLL's backward makes every
+    chunk's logits a second time, a third of the head's matmul work; this costs the gradient buffers from the
+    forward pass on (grad_h the size of h, which is not kept; the head's (V, C), which the backward pass makes anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, token_weights, chunk, temperature):
+        grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        loss = torch.zeros((), device=h.device)
+        for s in range(0, h.size(0), chunk):
+            rows = slice(s, s + chunk)
+            logits = F.linear(h[rows] / temperature, weight).float()  # (chunk, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += ((lse - logits.gather(1, targets[rows, None])[:, 0]) * token_weights[rows]).sum()
+            add_chunk_grads(logits, lse, targets[rows], token_weights[rows] / temperature, h[rows], weight,
+                            None if grad_h is None else grad_h[rows], grad_w)
+        ctx.grads, ctx.h_dtype, ctx.w_dtype = (grad_h, grad_w), h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.grads
+        del ctx.grads  # in place below: a second backward pass through the same forward would scale them twice
+        return (None if grad_h is None else grad_h.mul_(grad_loss).to(ctx.h_dtype),
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None, None, None)
 
 
 class SharedPrefix:
