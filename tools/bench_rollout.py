@@ -341,17 +341,17 @@ def rl_step(model, n_prompts, samples, new_tokens):
         t0 = time.perf_counter()
         out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
         rollout_and_reward = time.perf_counter() - t0
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        optimizer = chat_rl.adamw(model, 1e-6, defaults["weight_decay"])
         model.train()
         advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
 
-        def update():  # the loss's forward and backward passes and an AdamW step, as chat_rl.train runs them
+        def update():  # the loss's forward and backward passes, clipping and an AdamW step, as chat_rl.train runs them
             t0 = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
-                                                        defaults["loss_norm"], "cpu",
-                                                        device_batch_tokens=defaults["device_batch_tokens"])
-            optimizer.step()
+            loss, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
+                                                           defaults["loss_norm"], "cpu",
+                                                           device_batch_tokens=defaults["device_batch_tokens"])
+            chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
             return time.perf_counter() - t0, valid
 
         # against the same update with every sequence run whole, one row each (the layout before prompts were
