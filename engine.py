@@ -266,6 +266,15 @@ def compaction_moves(live, n_live):
     return holes, fillers, order
 
 
+def padded_live(live, n_live, n_keep):
+    """live (n,) bool with n_live True entries -> the n_keep rows a compaction keeps: the live ones and, as padding, the
+    first n_keep - n_live finished ones (their tokens are discarded, as a finished row's are until it leaves). No host sync."""
+    if n_keep == n_live:
+        return live
+    finished = ~live
+    return live | (finished & (finished.cumsum(0) <= n_keep - n_live))
+
+
 def decode_step(model, token, cache, weights):
     """
     token (B,) -> next-token logits (B, V): one token per row through the model, its keys/values cached.
@@ -326,6 +335,18 @@ class Engine:
         self.tool = tool  # calculator.calculate, or None: no tool calls
         self.tool_tables = None  # tool_calls.call_tables of the tokenizer, built at the first call
         self.tool_calls, self.tool_errors = [], []  # per row of the last generate_batch: calls made, and of them refused
+
+    def rows_to_keep(self, n_live, batch):
+        """
+        How many rows a compaction of a call that began with `batch` rows keeps: the n_live live ones, or under
+        compile_decode the smallest size that holds them of batch and the powers of two below it, 8 sizes at most
+        (torch.compile's default number of graphs for one function): a rollout's decode steps then take a handful of
+        shapes, each compiled (and, on CUDA, capturable as a graph) once, the live rows padded with finished ones.
+        """
+        if not self.compile_decode:
+            return n_live
+        sizes = [batch] + [2 ** k for k in reversed(range(batch.bit_length())) if 2 ** k < batch]
+        return min(size for size in sizes[:8] if size >= n_live)
 
     @torch.no_grad()
     def prefill(self, prompts, num_samples, max_tokens):
@@ -394,9 +415,10 @@ class Engine:
                     tools.answer(t, called, rows, out)
             if n_done == n or t == max_tokens - 1:
                 break
-            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
+            n_keep = self.rows_to_keep(n - n_done, B)  # the live rows; under compile_decode padded to a compiled size
+            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n and n_keep < n:
                 n_generated.index_copy_(0, rows, live_n)  # finished rows leave: record their lengths first
-                holes, fillers, order = compaction_moves(live_n == max_tokens, n - n_done)
+                holes, fillers, order = compaction_moves(padded_live(live_n == max_tokens, n - n_done, n_keep), n_keep)
                 rows, live_n, token, u = rows[order], live_n[order], token[order], u[:, order]
                 cache.keep_rows(holes, fillers, order, written=t)  # own slots 0..t-1 hold tokens 0..t-1
                 if tools is not None:
