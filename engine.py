@@ -319,8 +319,9 @@ class Engine:
         later step.
     compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
         dominate), on a KV cache whose steps all have the same shapes (KVCache static), with the Linears'
-        autocast copies made once per call (autocast_weights). Off by default: not yet shown on a GPU to
-        give the same samples faster; on this 2-core CPU compiling takes about a minute and gains nothing.
+        autocast copies made once per call (autocast_weights); compactions keep one of a few batch sizes
+        (rows_to_keep), each compiled once. Off by default: not yet shown on a GPU to give the same samples
+        faster; on a 2-core CPU compiling takes about a minute a size and gains nothing.
     tool: a function from an expression to its result text or None (calculator.calculate), called when a
         row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
         None: no tool, and a row that writes `<<` is sampled like any other.
