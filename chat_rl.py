@@ -233,27 +233,30 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     batches += [[len(sequences) - 1]] * idle_passes
     for rows in batches:
         prefix, inputs, targets = make_shared_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        adv = advantages[rows].to(device)
-        with autocast:
-            # gpt.py's per-token NLL = -logp (B, T), 0 where target is -1; each distinct prompt runs once
-            logp = -model(inputs, targets, loss_reduction="none", prefix=prefix, temperature=temperature)
-        per_token = logp * adv[:, None]
+        # the loss as each token's NLL (-logp) times its weight, the row's advantage over the normaliser
+        weights = (advantages[rows].to(device) / normaliser)[:, None].expand(targets.shape)
         if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
-            per_token = per_token / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
-        loss = -per_token.sum() / normaliser
+            weights = weights / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
+        with autocast:  # each distinct prompt runs once; the head's gradients come with the forward pass
+            loss = model(inputs, targets, prefix=prefix, temperature=temperature, token_weights=weights)
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum, int(kept_tokens)
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
+def adamw(model, lr, weight_decay):
+    """AdamW over the model's parameters, fused: one kernel for every parameter's update, not several per tensor."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
+
+
 def optimizer_step(model, optimizer, lr, grad_clip, loss, valid_tokens):
     """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or
     gradient skips the update; so does a step where no row carried gradient (AdamW's momentum
     would still move the weights)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True))
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
     if finite and valid_tokens > 0:
         optimizer.step()
@@ -309,7 +312,7 @@ def train(cfg, rank, world, device):
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
     engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode, tool=calculate if cfg.tool == "calculator" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay)
     if state:
         checkpoint.restore(state, model, optimizer, rank)
     # weights stay fp32 (AdamW's master copy); on CUDA the matmuls run in bf16

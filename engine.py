@@ -35,10 +35,10 @@ ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries a
 class KVCache:
     """
     Keys and values of every layer, in two parts:
-      prompt part (P, Hkv, T, D): written once by the prefill, one row per prompt, shared by all its samples;
+      prompt part (P * Hkv, T, D): written once by the prefill, one row per prompt and kv head, shared by all its samples;
       own part (B, Hkv, max_new, D): one row per sample (prompt-major, B = P * S), one slot per decode step.
     Prompts are left-padded to T: prompt p's tokens start at slot pad[p]; RoPE positions are slot - pad[p]
-    and masks hide slots < pad[p]. cos, sin: (max_len, head_dim) RoPE tables of positions 0..max_len-1.
+    and masks hide slots < pad[p]. rope: (max_len, head_dim/2, 2) RoPE rotations of positions 0..max_len-1 (GPT.rope).
     Why two parts: a prompt's keys are the same for its S samples, so they are stored and read once, and a
     decode step attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
     instead of S matmuls of one row each, which on a CPU run far below the memory's speed.
@@ -46,24 +46,32 @@ class KVCache:
     step's slot is a tensor, and every step attends over all max_new own slots, the unwritten ones masked.
     """
 
-    def __init__(self, num_layers, pad, max_new, cos, sin, static=False):
+    def __init__(self, num_layers, pad, max_new, rope, static=False):
         self.pad = pad  # (P,) long
         self.max_new = max_new
         self.pos = 0  # next slot to write, the same for every row: T + tokens generated so far
         self.prompt_k, self.prompt_v = [None] * num_layers, [None] * num_layers
-        self.cos, self.sin = cos, sin
+        self.rope = rope
         self.static, self.decoding = static, False
 
     def share(self, num_samples):
         """After the prefill: row r = sample r % S of prompt r // S (prompt-major), B = P * S rows."""
         self.samples, self.decoding = num_samples, True
+        P, T = self.pad.size(0), self.prompt_len
         self.rows = None  # original index of each row (p * S + s), None = all B rows in order
-        self.row_pad = self.pad.repeat_interleave(num_samples)  # (B,)
-        self._build_prompt_mask()
-        B = self.row_pad.size(0)  # the own part, in the prompt part's dtype (autocast's)
-        self.k = [k.new_zeros(B, k.size(1), self.max_new, k.size(3)) for k in self.prompt_k]
-        self.v = [v.new_zeros(B, v.size(1), self.max_new, v.size(3)) for v in self.prompt_v]
+        self.lead = (P, num_samples)  # leading dims of a rows-first tensor viewed in the (P, S) grid: (B,) after compaction
+        self.row_start = T - self.pad.repeat_interleave(num_samples)  # (B,) RoPE position of each row's own slot 0
+        k = self.prompt_k[0]  # (P * Hkv, T, D); the own part in its dtype (autocast's)
+        B, Hkv = P * num_samples, k.size(0) // P
+        self.k = [k.new_zeros(B, Hkv, self.max_new, k.size(2)) for k in self.prompt_k]
+        self.v = [v.new_zeros(B, Hkv, self.max_new, v.size(2)) for v in self.prompt_v]
+        # (P * Hkv, 1, T) additive: -inf on each prompt's padding, the same for all its samples whatever leaves the batch
+        padding = torch.arange(T, device=self.pad.device)[None, :] < self.pad[:, None]
+        mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))
+        self.prompt_mask = mask[:, None, None].expand(P, Hkv, 1, T).reshape(P * Hkv, 1, T)
+        self.slots = torch.arange(self.max_new, device=self.pad.device)
         self.step = torch.zeros(1, dtype=torch.long, device=self.pad.device)  # own slot of the next token (static)
+        self.own_mask = torch.zeros((), device=self.pad.device)  # nothing to hide (static: set at every step)
 
     def keep_rows(self, holes, fillers, order, written):
         """
@@ -71,44 +79,41 @@ class KVCache:
         old row order[i] (compaction_moves). Only holes are written, from their fillers (some a live row onto
         itself), and only the written own slots; the batch is then a view of the first slots of the same buffers.
         """
-        rows = torch.arange(self.row_pad.size(0), device=order.device) if self.rows is None else self.rows
-        self.rows, self.row_pad = rows[order], self.row_pad[order]
+        rows = torch.arange(self.row_start.size(0), device=order.device) if self.rows is None else self.rows
+        self.rows, self.row_start, self.lead = rows[order], self.row_start[order], (order.size(0),)
+        self.grid_prompt, self.grid_sample = self.rows // self.samples, self.rows % self.samples  # each row's place in the grid
         for buffers in (self.k, self.v):
             for i, t in enumerate(buffers):
                 t[holes, :, :written] = t[fillers, :, :written]
                 buffers[i] = t[:order.size(0)]
-        self._build_prompt_mask()
-
-    def _build_prompt_mask(self):
-        # (B, 1, 1, T) additive: -inf on each row's prompt padding. Built once per batch layout.
-        T = self.prompt_k[0].size(2)
-        padding = torch.arange(T, device=self.pad.device)[None, :] < self.row_pad[:, None]
-        self.prompt_mask = torch.zeros(padding.shape, device=self.pad.device).masked_fill_(padding, float("-inf"))[:, None, None]
 
     def rope_and_mask(self, T):
         """
-        RoPE cos, sin (rows, 1, T, head_dim) of the T new tokens, and the mask the model's attention needs:
+        RoPE rotations (rows, 1, T, head_dim/2, 2) of the T new tokens, and the mask the model's attention needs:
         prefill (T tokens per prompt): boolean (P, 1, T, T), True = may attend;
         decode (one token per row): None, KVCache.attend masks the prompt padding itself.
         """
         if self.decoding:
             assert T == 1, "after the prefill the cache takes one token per row at a time"
-            positions = (self.step + self.prompt_k[0].size(2) if self.static else self.pos) - self.row_pad  # (B,)
-            B = positions.size(0)
-            return self.cos[positions].view(B, 1, 1, -1), self.sin[positions].view(B, 1, 1, -1), None
+            if self.static:  # the slots this step may read, from the step tensor: its shapes never change
+                self.own_mask = torch.zeros(self.max_new, device=self.slots.device).masked_fill_(self.slots > self.step, float("-inf"))
+            positions = self.row_start + (self.step if self.static else self.pos - self.prompt_len)  # (B,)
+            return self.rope[positions][:, None, None], None
         slot = torch.arange(T, device=self.pad.device)
         positions = (slot[None, :] - self.pad[:, None]).clamp(min=0)  # (P, T)
         causal = slot[None, None, :] <= slot[None, :, None]           # (1, T, T)
         real = slot[None, None, :] >= self.pad[:, None, None]         # (P, 1, T): not padding
         # a padding query sees only itself: its output is garbage nobody reads, but never NaN
         itself = slot[None, None, :] == slot[None, :, None]
-        return self.cos[positions][:, None], self.sin[positions][:, None], (causal & (real | itself))[:, None]
+        return self.rope[positions][:, None], (causal & (real | itself))[:, None]
 
     def update(self, layer, k, v):
         """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
         assert self.pos == 0, "update() is the prefill's; decode steps go through attend()"
-        self.prompt_k[layer], self.prompt_v[layer] = k.contiguous(), v.contiguous()
-        return self.prompt_k[layer], self.prompt_v[layer]
+        P, Hkv, T, D = k.shape
+        self.prompt_len = T
+        self.prompt_k[layer], self.prompt_v[layer] = k.reshape(P * Hkv, T, D).contiguous(), v.reshape(P * Hkv, T, D).contiguous()
+        return self.prompt_k[layer].view(P, Hkv, T, D), self.prompt_v[layer].view(P, Hkv, T, D)
 
     def advance(self, T):
         if self.static and self.decoding:
@@ -119,44 +124,55 @@ class KVCache:
     def attend(self, layer, q, k, v):
         """
         Decode step: q (B, H, 1, D), k and v (B, Hkv, 1, D) of each row's new token -> attention output (B, H, 1, D).
-        k, v go into this step's slot of the own part; each row then attends to its prompt's keys and its own.
-        GQA without copies: the g = H / Hkv query heads sharing a kv head are g rows of the same matmul.
+        k, v go into this step's slot of the own part; each row then attends to its prompt's keys and its own, one
+        softmax over both. GQA without copies: the g = H / Hkv query heads sharing a kv head are g rows of one matmul.
+        The prompt part runs in the (P, S) grid (_to_grid): one matmul per prompt and kv head for all its samples.
         """
         B, H, _, D = q.shape
         Hkv = k.size(1)
-        if self.static:  # write at the slot held in a tensor, attend over all slots, the unwritten ones masked
+        g = H // Hkv
+        if self.static:  # write at the slot held in a tensor, attend over all slots, the unwritten ones masked (own_mask)
             self.k[layer].index_copy_(2, self.step, k)
             self.v[layer].index_copy_(2, self.step, v)
             own_k, own_v = self.k[layer], self.v[layer]
-            own_mask = torch.where(torch.arange(self.max_new, device=q.device) <= self.step, 0.0, float("-inf"))
         else:
-            t = self.pos - self.prompt_k[layer].size(2)  # own slot of this step
+            t = self.pos - self.prompt_len  # own slot of this step
             self.k[layer][:, :, t] = k[:, :, 0]
             self.v[layer][:, :, t] = v[:, :, 0]
-            own_k, own_v, own_mask = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1], 0.0  # (B, Hkv, t + 1, D)
-        q = q.reshape(B, Hkv, H // Hkv, D) * D ** -0.5
-        prompt_scores = self._per_prompt(q, self.prompt_k[layer].transpose(-1, -2))  # (B, Hkv, g, T)
-        own_scores = torch.matmul(q, own_k.transpose(-1, -2))                         # (B, Hkv, g, own slots)
-        # one softmax over prompt and own keys, in fp32 under autocast
-        probs = torch.cat([prompt_scores.float() + self.prompt_mask, own_scores.float() + own_mask], dim=-1).softmax(dim=-1)
-        prompt_probs, own_probs = probs.to(v.dtype).split([prompt_scores.size(-1), own_k.size(2)], dim=-1)
-        y = self._per_prompt(prompt_probs, self.prompt_v[layer]) + torch.matmul(own_probs, own_v)  # (B, Hkv, g, D)
+            own_k, own_v = self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1]  # (B, Hkv, t + 1, D)
+        slots = own_k.size(2)
+        q = q.view(B, Hkv, g, D) * D ** -0.5  # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
+        # scores with the masks added by the same call: prompt padding (P * Hkv, 1, T), own slots not written yet
+        prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].transpose(1, 2))
+        own_scores = torch.baddbmm(self.own_mask, q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
+        # one softmax over prompt and own keys, in fp32 under autocast; the cat also brings the prompt part back to rows
+        scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.lead, Hkv, g, slots)], dim=-1)
+        probs = scores.float().softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)
+        prompt_probs, own_probs = probs.split([probs.size(-1) - slots, slots], dim=-1)
+        prompt_y = self._from_grid(torch.bmm(self._to_grid(prompt_probs), self.prompt_v[layer]))
+        y = torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(*self.lead, Hkv, g, D) + prompt_y
         return y.reshape(B, H, 1, D)
 
-    def _per_prompt(self, x, m):
+    def _to_grid(self, x):
         """
-        Row-wise x (B, Hkv, g, X) @ m (P, Hkv, X, Y) of the row's prompt -> (B, Hkv, g, Y), as one matmul per
-        prompt: its rows' x are stacked into the matmul's rows. Rows sit in a (P, S) grid by their original
-        index; after compaction the grid has holes (zero rows, computed and dropped).
+        Rows (B, Hkv, g, X) -> the per-prompt grid (P * Hkv, S * g, X): each prompt's rows stacked by kv head, the
+        rows of one matmul per prompt. Rows sit in the grid by their original index; after compaction the grid
+        has holes (zero rows, computed and dropped).
         """
         B, Hkv, g, X = x.shape
-        P, S = m.size(0), self.samples
-        if self.rows is not None:
-            x = x.new_zeros(P * S, Hkv, g, X).index_copy_(0, self.rows, x)
-        x = x.view(P, S, Hkv, g, X).transpose(1, 2).reshape(P, Hkv, S * g, X)
-        y = torch.matmul(x, m)  # (P, Hkv, S * g, Y)
-        y = y.view(P, Hkv, S, g, -1).transpose(1, 2).reshape(P * S, Hkv, g, -1)
-        return y if self.rows is None else y.index_select(0, self.rows)
+        P, S = self.pad.size(0), self.samples
+        if self.rows is None:
+            return x.view(P, S, Hkv, g, X).transpose(1, 2).reshape(P * Hkv, S * g, X)
+        grid = x.new_zeros(P, Hkv, S, g, X)
+        grid[self.grid_prompt, :, self.grid_sample] = x
+        return grid.view(P * Hkv, S * g, X)
+
+    def _from_grid(self, y):
+        """The grid (P * Hkv, S * g, Y) -> rows (*lead, Hkv, g, Y): a view (P, S, ...) while every row is in the
+        batch, the rows' entries (B, ...) after compaction."""
+        P, S = self.pad.size(0), self.samples
+        y = y.view(P, y.size(0) // P, S, -1, y.size(-1))
+        return y.transpose(1, 2) if self.rows is None else y[self.grid_prompt, :, self.grid_sample]
 
 
 def sample_next_token(logits, u, temperature=1.0, top_k=None):
@@ -250,6 +266,15 @@ def compaction_moves(live, n_live):
     return holes, fillers, order
 
 
+def padded_live(live, n_live, n_keep):
+    """live (n,) bool with n_live True entries -> the n_keep rows a compaction keeps: the live ones and, as padding, the
+    first n_keep - n_live finished ones (their tokens are discarded, as a finished row's are until it leaves). No host sync."""
+    if n_keep == n_live:
+        return live
+    finished = ~live
+    return live | (finished & (finished.cumsum(0) <= n_keep - n_live))
+
+
 def decode_step(model, token, cache, weights):
     """
     token (B,) -> next-token logits (B, V): one token per row through the model, its keys/values cached.
@@ -294,8 +319,9 @@ class Engine:
         later step.
     compile_decode: torch.compile the decode step (for CUDA, where per-step Python and kernel launches
         dominate), on a KV cache whose steps all have the same shapes (KVCache static), with the Linears'
-        autocast copies made once per call (autocast_weights). Off by default: not yet shown on a GPU to
-        give the same samples faster; on this 2-core CPU compiling takes about a minute and gains nothing.
+        autocast copies made once per call (autocast_weights); compactions keep one of a few batch sizes
+        (rows_to_keep), each compiled once. Off by default: not yet shown on a GPU to give the same samples
+        faster; on a 2-core CPU compiling takes about a minute a size and gains nothing.
     tool: a function from an expression to its result text or None (calculator.calculate), called when a
         row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
         None: no tool, and a row that writes `<<` is sampled like any other.
@@ -311,6 +337,18 @@ class Engine:
         self.tool_tables = None  # tool_calls.call_tables of the tokenizer, built at the first call
         self.tool_calls, self.tool_errors = [], []  # per row of the last generate_batch: calls made, and of them refused
 
+    def rows_to_keep(self, n_live, batch):
+        """
+        How many rows a compaction of a call that began with `batch` rows keeps: the n_live live ones, or under
+        compile_decode the smallest size that holds them of batch and the powers of two below it, 8 sizes at most
+        (torch.compile's default number of graphs for one function): a rollout's decode steps then take a handful of
+        shapes, each compiled (and, on CUDA, capturable as a graph) once, the live rows padded with finished ones.
+        """
+        if not self.compile_decode:
+            return n_live
+        sizes = [batch] + [2 ** k for k in reversed(range(batch.bit_length())) if 2 ** k < batch]
+        return min(size for size in sizes[:8] if size >= n_live)
+
     @torch.no_grad()
     def prefill(self, prompts, num_samples, max_tokens):
         """
@@ -323,8 +361,8 @@ class Engine:
         T = max(lengths)
         ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
-        cos, sin = model.rope(torch.arange(T + max_tokens, device=device)[None])  # (1, 1, max_len, D)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, cos[0, 0], sin[0, 0], static=self.compile_decode)
+        rope = model.rope(torch.arange(T + max_tokens, device=device)[None])[0, 0]  # (max_len, D/2, 2)
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, rope, static=self.compile_decode)
         logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
         cache.share(num_samples)                    # its keys serve all its samples
         return logits.repeat_interleave(num_samples, dim=0), cache
@@ -378,9 +416,10 @@ class Engine:
                     tools.answer(t, called, rows, out)
             if n_done == n or t == max_tokens - 1:
                 break
-            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n:
+            n_keep = self.rows_to_keep(n - n_done, B)  # the live rows; under compile_decode padded to a compiled size
+            if self.compact_at is not None and n_done > 0 and n_done >= self.compact_at * n and n_keep < n:
                 n_generated.index_copy_(0, rows, live_n)  # finished rows leave: record their lengths first
-                holes, fillers, order = compaction_moves(live_n == max_tokens, n - n_done)
+                holes, fillers, order = compaction_moves(padded_live(live_n == max_tokens, n - n_done, n_keep), n_keep)
                 rows, live_n, token, u = rows[order], live_n[order], token[order], u[:, order]
                 cache.keep_rows(holes, fillers, order, written=t)  # own slots 0..t-1 hold tokens 0..t-1
                 if tools is not None:

@@ -25,6 +25,7 @@ adds for a sharded model:
 """
 
 import json
+import math
 import os
 import struct
 from contextlib import contextmanager
@@ -105,33 +106,39 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 def save_weights(model, path, rank):
     """model.safetensors + config.json in `path`, as gpt.GPT.save_pretrained writes them, from a sharded model.
-    Every rank calls this: each tensor is all-gathered on its own, written by rank 0 and freed, so no
-    rank ever holds a second whole model. The file is the safetensors layout written by hand: 8 bytes of
+    Every rank calls this: each parameter is all-gathered on its own (a fused Linear's once for its parts),
+    written by rank 0 and freed, so no rank ever holds a second whole model. The file is the safetensors layout written by hand: 8 bytes of
     header length, a JSON header (name -> dtype, shape, byte range), then the tensors' bytes in that order."""
-    state = model.state_dict()  # Hugging Face names (fully_shard keeps them) -> DTensor shards
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")  # the same tensor as embed_tokens.weight; the config says "tied"
+    state = model.state_dict()  # the model's names (fully_shard keeps them) -> DTensor shards
+    layout = model.hf_layout()  # the checkpoint's tensors, in its order: fused Linears split into their parts
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, t in state.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    for name, own, rows in layout:
+        t = state[own]
+        shape = list(t.shape) if rows is None else [rows.stop - rows.start, *t.shape[1:]]
+        size = math.prod(shape) * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # the tensors start 8-byte aligned, as safetensors writes them
+    last_use = {own: i for i, (_, own, _) in enumerate(layout)}
     f = open(os.path.join(path, "model.safetensors"), "wb") if rank == 0 else None
     try:
         if f:
             f.write(struct.pack("<Q", len(head)) + head)
-        for t in state.values():
-            full = t.full_tensor()  # an all-gather: every rank, the same tensors in the same order
+        full = {}  # the gathered parameters whose parts are not all written yet: one module's at most
+        for i, (name, own, rows) in enumerate(layout):
+            if own not in full:
+                full[own] = state[own].full_tensor()  # an all-gather: every rank, the same tensors in the same order
             if f:
-                f.write(full.detach().cpu().contiguous().view(torch.uint8).numpy())  # little-endian, as safetensors
-            del full
+                piece = full[own] if rows is None else full[own][rows]
+                f.write(piece.detach().cpu().contiguous().view(torch.uint8).numpy())  # little-endian, as safetensors
+            if last_use[own] == i:
+                del full[own]
     finally:
         if f:
             f.close()
     if rank == 0:
-        write_config(path, model.config, next(iter(state.values())).dtype)
+        write_config(path, model.config, state[layout[0][1]].dtype)
 
 
 def save_optimizer(model, optimizer, path):

@@ -8,9 +8,11 @@ The three families differ only in switches of GPTConfig:
     Llama / SmolLM : no qkv bias, no q/k norm, tied or untied head, rope_theta
     Qwen2 / Qwen2.5: qkv bias (attention_bias=True)
     Qwen3          : q/k RMSNorm per head (qk_norm=True), explicit head_dim
-Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.q_proj.weight, ...)
-so a state_dict maps one-to-one onto a safetensors file, in and out: GPT.from_pretrained reads a
-hub id or a Hugging Face folder, save_pretrained writes one that transformers and vLLM load as it is
+Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.o_proj.weight, ...), except
+that the Linears reading the same input are one matmul: q/k/v are self_attn.qkv_proj, gate/up mlp.gate_up_proj,
+their weights stacked by rows. hf_layout says where each checkpoint tensor sits, so the files map one-to-one
+onto the model, in and out: GPT.from_pretrained reads a hub id or a Hugging Face folder, save_pretrained writes
+one that transformers and vLLM load as it is, the same tensor names and values as unfused Linears would write
 (the folder format itself, config.json and the weight files, is hf_folder.py).
 Tiny configs of the same class are the offline demo's policy.
 """
@@ -27,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_folder import config_fields, read_json, resolve_folder, safetensors_files, umask, write_config
-from loss_pass import SharedPrefix, token_nll
+from loss_pass import SharedPrefix, token_nll, weighted_nll
 
 
 @dataclass
@@ -63,8 +65,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in fp32 (as the reference implementations do), scale in the input dtype;
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
+        if x.dtype == self.weight.dtype == torch.float32:  # one call with the weight: one kernel on CUDA
+            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        # normalize in fp32 (as the reference implementations do), scale in the input dtype
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
@@ -89,11 +92,19 @@ def rope_inv_freq(config):
     return torch.where(is_mid, blended, scaled).float()
 
 
-def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D). "rotate half" layout, as in the HF checkpoints
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)  # x * cos + rotated * sin, one kernel fewer
+def apply_rope(x, rope):
+    """
+    x (B, H, T, D), rope (B or 1, 1, T, D/2, 2): cos and sin of each pair's angle (GPT.rope) -> x rotated, in fp32.
+    The checkpoints' "rotate half" layout pairs x_i with x_{i + D/2}: each pair is one complex number, turned by one
+    complex multiplication. The pairs come out side by side (x_0, x_{D/2}, x_1, x_{D/2+1}, ...): q and k alike, so
+    every q . k, all that attention reads of them, is the same.
+    """
+    half = x.size(-1) // 2
+    x = x.float()
+    if torch.compiler.is_compiling():  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+        x1, x2, cos, sin = x[..., :half], x[..., half:], rope[..., 0], rope[..., 1]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return torch.view_as_real(torch.complex(x[..., :half], x[..., half:]) * torch.view_as_complex(rope)).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -101,26 +112,27 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_head * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_head * self.head_dim, bias=bias)
+        # q, k and v of all heads from one matmul, in this row order (hf_layout splits them back)
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.attention_bias)
+        self.qkv_proj.parts = {"q_proj": self.n_head * self.head_dim, "k_proj": self.n_kv_head * self.head_dim,
+                               "v_proj": self.n_kv_head * self.head_dim}
         self.o_proj = nn.Linear(self.n_head * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
+    def forward(self, x, rope, attn_mask, kv_cache):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        # RoPE runs in fp32 (cos/sin, and an fp32 q/k norm weight, promote); under autocast bring q and k
-        # back to v's dtype, so the KV cache holds bf16 keys instead of fp32 ones
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        H = self.n_head
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
+        qk, v = qkv[:, :, :H + self.n_kv_head], qkv[:, :, H + self.n_kv_head:].transpose(1, 2)  # v: (B, Hkv, T, D)
+        if hasattr(self, "q_norm"):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
+            weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1)))
+            qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
+        # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's dtype, so the KV
+        # cache holds bf16 keys instead of fp32 ones
+        qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
+        q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         elif attn_mask is None:  # the cache knows where the keys are: a decode step (engine.KVCache), SharedPrefix
@@ -140,12 +152,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up from one matmul (hf_layout splits them back)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj.parts = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class Block(nn.Module):
@@ -156,8 +170,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, rope, attn_mask, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -179,30 +193,55 @@ class GPT(nn.Module):
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                nn.init.ones_(p)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
-            else:
-                # residual-branch outputs get the GPT-2 1/sqrt(2 * n_layer) shrink
-                std = 0.02 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                with torch.no_grad():
+        # tensor by tensor in the checkpoints' layout and order: the same weights as unfused Linears would get
+        with torch.no_grad():
+            for name, p in self.hf_state_dict(keep_vars=True).items():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    # residual-branch outputs get the GPT-2 1/sqrt(2 * n_layer) shrink
+                    std = 0.02 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
+    def hf_layout(self):
+        """
+        Where each tensor of a Hugging Face checkpoint sits in this model: [(checkpoint name, own parameter name,
+        rows)] in the order the checkpoints list them, rows = the slice of a fused Linear's rows (qkv_proj,
+        gate_up_proj) that holds the tensor, None for a whole parameter. The tied lm_head is left out (it is
+        embed_tokens.weight). Names only: it holds for a model on the meta device or sharded by FSDP as well.
+        """
+        layout = []
+        for module_name, module in self.named_modules():
+            own = [name for name, _ in module.named_parameters(prefix=module_name, recurse=False)]
+            if not hasattr(module, "parts"):
+                layout += [(name, name, None) for name in own if not (name == "lm_head.weight" and self.config.tie_word_embeddings)]
+                continue
+            start, parent = 0, module_name.rpartition(".")[0]
+            for part, width in module.parts.items():  # each part's weight, then its bias, as unfused Linears list them
+                layout += [(f"{parent}.{part}.{name.rpartition('.')[2]}", name, slice(start, start + width)) for name in own]
+                start += width
+        return layout
+
+    def hf_state_dict(self, keep_vars=False):
+        """The weights under the checkpoints' names and shapes (hf_layout): views of the model's tensors, no copies."""
+        state = self.state_dict(keep_vars=keep_vars)
+        return {name: state[own] if rows is None else state[own][rows] for name, own, rows in self.hf_layout()}
+
     def rope(self, positions):
-        """cos, sin of shape (B, 1, T, head_dim) for integer positions (B, T); computed in fp32."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos(), emb.sin()
+        """RoPE's rotation of each pair (apply_rope) for integer positions (B, T): cos and sin of position * inv_freq,
+        (B, 1, T, head_dim/2, 2) in fp32."""
+        angles = positions.float()[:, None, :, None] * self.inv_freq.float()
+        return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None,
-                temperature=1.0):
+                temperature=1.0, token_weights=None):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
         With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
-        RoPE cos/sin and, for the prefill, the mask that skips its padding; a decode step (one token
+        RoPE rotations and, for the prefill, the mask that skips its padding; a decode step (one token
         per row) attends through the cache, which knows where the row's keys are. Only the last
         position's logits (B, 1, V) are returned, all the sampler needs.
         targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
@@ -214,6 +253,8 @@ class GPT(nn.Module):
         logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see loss_pass.token_nll).
         temperature: with targets, the NLL is of softmax(logits / temperature), the distribution RL's rollouts
         sampled from; supervised training keeps 1.
+        token_weights: (B, T) with targets: returns sum of token_weights * NLL over the valid tokens instead, its
+        gradients made in the same pass over the logits (loss_pass.weighted_nll: the backward projects nothing again).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
             assert targets is not None and kv_cache is None, "prefix is for the training loss"
@@ -230,8 +271,10 @@ class GPT(nn.Module):
         # Project only the positions that have a target (completion tokens): prompt and padding positions
         # would cost a (B, T, V) logit tensor for nothing.
         valid = targets >= 0
-        nll = torch.zeros(targets.shape, device=x.device)
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
+        if token_weights is not None:
+            return weighted_nll(x, self.lm_head.weight, targets[valid], token_weights[valid], chunk, temperature)
+        nll = torch.zeros(targets.shape, device=x.device)
         nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk, temperature)
         if loss_reduction == "none":
             return nll
@@ -244,18 +287,17 @@ class GPT(nn.Module):
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if kv_cache is None:
-            cos, sin = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D): the same for every row
+            rope = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D/2, 2): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
-            cos, sin, attn_mask = kv_cache.rope_and_mask(T)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            rope, attn_mask = kv_cache.rope_and_mask(T)
         for block in self.model.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
                 # one layer's activations alive at a time instead of all of them, for a second forward's cost
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attn_mask, kv_cache, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, attn_mask, kv_cache, use_reentrant=False)
             else:
-                x = block(x, cos, sin, attn_mask, kv_cache)
+                x = block(x, rope, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.model.norm(x)
@@ -276,23 +318,34 @@ class GPT(nn.Module):
         config = config_from_hf(read_json(os.path.join(path, "config.json")))
         with torch.device("meta"):
             model = cls(config)
+        layout = {name: (own, rows) for name, own, rows in model.hf_layout()}
+        loaded = set()
         for file in safetensors_files(path):
             with safe_open(file, framework="pt") as f:  # memory-mapped: nothing is read until asked for
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # recomputed / the same tensor as embed_tokens.weight
-                    try:
-                        expected = model.get_parameter(name)
-                    except AttributeError:
-                        raise ValueError(f"{file} holds {name!r}, which this architecture does not have") from None
+                    if name not in layout:
+                        raise ValueError(f"{file} holds {name!r}, which this architecture does not have")
+                    own, rows = layout[name]
+                    param = model.get_parameter(own)
+                    expected = param.shape if rows is None else param[rows].shape
                     tensor = f.get_tensor(name).to(device=device, dtype=dtype)
-                    if tensor.shape != expected.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected.shape)}")
-                    module_name, _, attr = name.rpartition(".")
-                    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
+                    if tensor.shape != expected:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}")
+                    module_name, _, attr = own.rpartition(".")
+                    if rows is None:
+                        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
+                    else:  # a part of a fused Linear (the others may come from another shard): its rows, in place
+                        if param.is_meta:
+                            param = nn.Parameter(torch.empty(param.shape, device=device, dtype=tensor.dtype))
+                            setattr(model.get_submodule(module_name), attr, param)
+                        with torch.no_grad():
+                            param[rows] = tensor
+                    loaded.add(name)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight  # the tie broke when embed_tokens was replaced
-        missing = [name for name, p in model.named_parameters() if p.is_meta]
+        missing = [name for name in layout if name not in loaded]
         if missing:
             raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         model.inv_freq = rope_inv_freq(config).to(device)
@@ -304,9 +357,9 @@ class GPT(nn.Module):
         dtype the model holds. The tokenizer's save_pretrained adds its files and generation_config.json.
         """
         os.makedirs(path, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight")  # safetensors refuses shared storage; the config says "tied"
+        # the checkpoints' names and shapes, the fused Linears split into their parts; the tied head is left out
+        # (safetensors refuses one tensor under two names; the config says "tied")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
         weights = os.path.join(path, "model.safetensors")
         save_file(state, weights, metadata={"format": "pt"})  # "pt": what transformers expects
         # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the

@@ -127,14 +127,79 @@ class ChunkedNLL(torch.autograd.Function):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
                 logits = F.linear(h[rows] / ctx.temperature, weight).float()
-            grad = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
-            grad.scatter_add_(1, targets[rows, None], grad.new_full((grad.size(0), 1), -1.0))  # - onehot
-            grad.mul_(grad_nll[rows, None] / ctx.temperature)  # the chain rule through z / T
-            if grad_h is not None:
-                grad_h[rows] = grad @ weight.to(grad.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h[rows].to(grad.dtype))
+            probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
+            add_chunk_grads(probs, targets[rows], grad_nll[rows] / ctx.temperature, h[rows], weight,
+                            None if grad_h is None else grad_h[rows], grad_w)
         return grad_h, grad_w, None, None, None
+
+
+def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):
+    """
+    One chunk's share of the gradients of sum_i scale_i * NLL_i with respect to the hidden states and the head:
+    probs (n, V) fp32, the softmax of the logits of h (n, C) or, with total (n,), its numerators exp(z - max)
+    over their sum, turned in place into d / d logits = (softmax - onehot) * scale (n,); then grad_h (n, C) =
+    that @ weight, written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if None). The
+    gradient matmuls run in fp32, the gradients' dtype, under autocast too.
+    """
+    grad = probs.mul_((scale if total is None else scale / total)[:, None])
+    grad.scatter_add_(1, targets[:, None], -scale[:, None])  # - onehot
+    with torch.autocast(h.device.type, enabled=False):
+        if grad_h is not None:
+            torch.matmul(grad, weight.to(grad.dtype), out=grad_h)
+        if grad_w is not None:
+            grad_w.addmm_(grad.t(), h.to(grad.dtype))
+
+
+def weighted_nll(h, weight, targets, token_weights, chunk, temperature=1.0):
+    """
+    sum_i token_weights[i] * NLL_i (a scalar): the loss of token_nll's per-token NLL weighted by a factor known
+    before the forward pass (RL's advantage over the normaliser), with its gradients made in the same pass over
+    the logits (WeightedNLL), so that the backward pass projects nothing again.
+    """
+    return WeightedNLL.apply(h, weight, targets, token_weights, chunk, float(temperature))
+
+
+class WeightedNLL(torch.autograd.Function):
+    """
+    forward: each chunk's logits z / T once: their log-sum-exp and NLL, and in place d / d z of the weighted
+    sum, whose products with the head and the hidden states are the gradients of h and of the head (add_chunk_grads),
+    kept for the backward pass, which scales them by its incoming gradient. ChunkedNLL's backward makes every
+    chunk's logits a second time, a third of the head's matmul work; this costs the gradient buffers from the
+    forward pass on (grad_h the size of h, which is not kept; the head's (V, C), which the backward pass makes anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, token_weights, chunk, temperature):
+        grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        loss = torch.zeros((), device=h.device)
+        # one (chunk, V) buffer for every chunk's logits: on CPU a fresh 64 MiB tensor per chunk costs a third more
+        # than its matmul in page faults
+        buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
+        for s in range(0, h.size(0), chunk):
+            rows = slice(s, s + chunk)
+            logits = buffer[:h[rows].size(0)]
+            if torch.is_autocast_enabled(h.device.type) or weight.dtype != torch.float32:
+                logits.copy_(F.linear(h[rows] / temperature, weight))  # the matmul in autocast's (or the model's) dtype
+            else:
+                torch.mm(h[rows] / temperature, weight.t(), out=logits)
+            target_logits = logits.gather(1, targets[rows, None])[:, 0]
+            # the log-sum-exp and the softmax's numerators in place: logsumexp would make two (chunk, V) temporaries
+            top = logits.amax(dim=-1)
+            exp = logits.sub_(top[:, None]).exp_()
+            total = exp.sum(dim=-1)
+            loss += ((top + total.log() - target_logits) * token_weights[rows]).sum()
+            add_chunk_grads(exp, targets[rows], token_weights[rows] / temperature, h[rows], weight,
+                            None if grad_h is None else grad_h[rows], grad_w, total=total)
+        ctx.grads, ctx.h_dtype, ctx.w_dtype = (grad_h, grad_w), h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.grads
+        del ctx.grads  # in place below: a second backward pass through the same forward would scale them twice
+        return (None if grad_h is None else grad_h.mul_(grad_loss).to(ctx.h_dtype),
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None, None, None)
 
 
 class SharedPrefix:
@@ -168,11 +233,19 @@ class SharedPrefix:
         start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
         positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
                                (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
-        self.cos, self.sin = rope(positions[None])  # (1, 1, N, D)
-        prefix_keys = self.prefix_real[row_prefix]  # (B, P): the row's prefix, less its padding
+        self.rope = rope(positions[None])  # (1, 1, N, D/2, 2)
+        # the flat token each padded slot reads (prefixes then rows, row-major); a padding slot reads token 0, a key
+        # the mask hides or a query whose output is dropped. Queries: the prefixes' (G * P) and the rows' own
+        # (B * T) slots; keys and values: the prefixes', then each row's prefix and own, (B, P + T)
+        prefix_index = torch.where(self.prefix_real, self.prefix_real.flatten().cumsum(0).view(self.G, self.P) - 1, 0)
+        own_index = torch.where(self.own_real, self.num_prefix_tokens + self.own_real.flatten().cumsum(0).view(self.B, self.T) - 1, 0)
+        self.query_index = torch.cat([prefix_index.flatten(), own_index.flatten()])
+        self.key_index = torch.cat([prefix_index.flatten(), torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten()])
+        self.output_index = torch.cat([self.prefix_slots, self.G * self.P + self.own_slots])  # each flat token's slot
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
-        self.mask = torch.cat([prefix_keys[:, None, :].expand(self.B, self.T, self.P),
-                               causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+        sees = torch.cat([self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P),
+                          causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+        self.mask = torch.zeros(sees.shape, device=device).masked_fill_(~sees, float("-inf"))  # additive: built once
         self.folded_mask = None  # the mask with GQA's query heads folded into time (attend)
 
     def pack(self, prefix_ids, idx):
@@ -180,35 +253,37 @@ class SharedPrefix:
         return torch.cat([prefix_ids[self.prefix_real], idx[self.own_real]])[None]
 
     def rope_and_mask(self, N):
-        assert N == self.cos.size(2)
-        return self.cos, self.sin, None  # no mask: the model's attention hands over to attend()
+        assert N == self.rope.size(2)
+        return self.rope, None  # no mask: the model's attention hands over to attend()
 
     def advance(self, N):
         pass  # positions are fixed by the layout, not by a running count
 
     def attend(self, layer, q, k, v):
-        """q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D)."""
+        """
+        q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D). Each of q, k, v
+        goes into its padded slots by one gather (its backward, one scatter-add, sums a prefix's gradient over its
+        rows), the outputs back to the flat sequence by one more.
+        """
         H, Hkv, D = q.size(1), k.size(1), q.size(3)
-        split = self.num_prefix_tokens
+        G, P, B, T = self.G, self.P, self.B, self.T
+        if q.size(2) == 0:  # no token to attend (FSDP's idle pass): nothing to gather
+            return q
+        # (slots, heads, D), token-major, split (not sliced: a slice's backward fills a zero tensor of the whole)
+        (q_prefix, q_rows), (k_prefix, k_rows), (v_prefix, v_rows) = (
+            x[0].transpose(0, 1).index_select(0, index).split([G * P, index.numel() - G * P])
+            for x, index in ((q, self.query_index), (k, self.key_index), (v, self.key_index)))
 
-        def padded(x, slots, rows, width):  # flat (1, h, n, D) -> (rows, h, width, D), zeros in the padding
-            h = x.size(1)
-            out = x.new_zeros(h, rows * width, D).index_copy(1, slots, x[0])
-            return out.view(h, rows, width, D).transpose(0, 1)
+        def slots(x, rows, width):  # (rows * width, h, D) -> (rows, h, width, D)
+            return x.view(rows, width, x.size(1), D).transpose(1, 2)
 
-        def flat(y, slots):  # (rows, h, width, D) -> (h, n, D), the real slots only
-            return y.transpose(0, 1).reshape(y.size(1), -1, D).index_select(1, slots)
-
-        k_prefix, v_prefix = (padded(x[:, :, :split], self.prefix_slots, self.G, self.P) for x in (k, v))
-        q_prefix = padded(q[:, :, :split], self.prefix_slots, self.G, self.P)
-        y_prefix = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True, enable_gqa=Hkv != H)
-        k_rows, v_rows = (torch.cat([prefix.index_select(0, self.row_prefix), padded(x[:, :, split:], self.own_slots, self.B, self.T)], dim=2)
-                          for prefix, x in ((k_prefix, k), (v_prefix, v)))  # (B, Hkv, P + T, D)
+        y_prefix = F.scaled_dot_product_attention(slots(q_prefix, G, P), slots(k_prefix, G, P), slots(v_prefix, G, P),
+                                                  is_causal=True, enable_gqa=Hkv != H)
         # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
         g = H // Hkv
-        q_rows = padded(q[:, :, split:], self.own_slots, self.B, self.T).reshape(self.B, Hkv, g * self.T, D)
         if self.folded_mask is None:  # the same for every layer: built once
             self.folded_mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
-        mask = self.folded_mask
-        y_rows = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask).reshape(self.B, H, self.T, D)
-        return torch.cat([flat(y_prefix, self.prefix_slots), flat(y_rows, self.own_slots)], dim=1)[None]
+        y_rows = F.scaled_dot_product_attention(slots(q_rows, B, T).reshape(B, Hkv, g * T, D), slots(k_rows, B, P + T),
+                                                slots(v_rows, B, P + T), attn_mask=self.folded_mask).reshape(B, H, T, D)
+        y = torch.cat([y_prefix.transpose(1, 2).reshape(G * P, H, D), y_rows.transpose(1, 2).reshape(B * T, H, D)])
+        return y.index_select(0, self.output_index)[None].transpose(1, 2)

@@ -84,3 +84,39 @@ def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
     assert nll_a.dtype == torch.float32 and torch.allclose(nll_a, nll_b, atol=1e-5)
     for name in grad_a:
         assert (grad_a[name] - grad_b[name]).abs().max() <= 3e-2 * grad_b[name].abs().max(), name
+
+
+def test_the_weighted_loss_has_the_weighted_nlls_value_and_gradients_and_projects_once():
+    # GPT.forward(token_weights=): sum of weight * NLL with the head's gradients made in the forward pass; equal to
+    # the per-token NLL weighted afterwards, at a temperature, in chunks (62 targets, 7 per chunk), and under bf16
+    # autocast to bf16 precision; its backward pass makes no (tokens, vocab) matmul
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.size(-1) == 500
+            return out
+
+    idx, targets = batch()
+    weights = torch.randn(3, 24, generator=torch.Generator().manual_seed(2))
+    for autocast, tolerance in ((False, 1e-5), (True, 3e-2)):
+        results = []
+        for fused in (True, False):
+            model = small_model()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                if fused:
+                    loss = model(idx, targets, logits_per_chunk=7 * 500, temperature=0.7, token_weights=weights)
+                else:
+                    loss = (model(idx, targets, loss_reduction="none", logits_per_chunk=7 * 500, temperature=0.7) * weights).sum()
+            with LogitMatmuls() as matmuls:
+                loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, matmuls.count))
+        (loss_a, grad_a, fused_matmuls), (loss_b, grad_b, recomputed) = results
+        assert torch.allclose(loss_a, loss_b, rtol=1e-5) and fused_matmuls == 0 and recomputed == 9
+        for name in grad_a:
+            assert (grad_a[name] - grad_b[name]).abs().max() <= tolerance * grad_b[name].abs().max(), (autocast, name)

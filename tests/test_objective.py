@@ -109,9 +109,9 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
     sequences, masks = rollouts()
     advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)
     model, reference = small_model(), small_model()
-    passes, nll = [], gpt.token_nll
-    monkeypatch.setattr(gpt, "token_nll", lambda h, w, t, chunk, temperature: passes.append((h.size(0), temperature))
-                        or nll(h, w, t, 3, temperature))
+    passes, nll = [], gpt.weighted_nll
+    monkeypatch.setattr(gpt, "weighted_nll", lambda h, w, t, weights, chunk, temperature: passes.append((h.size(0), temperature))
+                        or nll(h, w, t, weights, 3, temperature))
     loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 3, loss_norm, "cpu",
                                                     temperature=T)
     expected = reference_backward(reference, sequences, masks, advantages, loss_norm, T)
@@ -129,9 +129,10 @@ class LinearNLLModel(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.tensor(1.0))
         self.rows = 0
 
-    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0):
+    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0, token_weights=None):
         self.rows += idx.size(0)
-        return torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
+        nll = torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
+        return nll if token_weights is None else (nll * token_weights).sum()  # GPT.forward's two reductions
 
 
 # group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5]; groups 1 and 2 unanimous

@@ -120,4 +120,4 @@ def test_a_checkpoint_is_a_folder_the_model_loader_reads(model_dir, reference, t
     out = tmp_path / "run"
     assert launch(args(model_dir, out)).returncode == 0
     model = GPT.from_pretrained(str(out / "step_000005"))
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in reference[1].items())
+    assert all(torch.equal(model.hf_state_dict()[k], v) for k, v in reference[1].items())

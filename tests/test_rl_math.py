@@ -23,10 +23,11 @@ class LinearNLLModel(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.tensor(1.0))
         self.calls, self.rows = 0, 0
 
-    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0):
+    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0, token_weights=None):
         self.calls += 1
         self.rows += idx.size(0)
-        return torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
+        nll = torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
+        return nll if token_weights is None else (nll * token_weights).sum()  # GPT.forward's two reductions
 
 
 def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="kept_tokens"):

@@ -23,7 +23,7 @@ row, not the T x T attention matrix, so the count scales with tokens. The README
 built from these figures.
 
 Log-prob pass (a row of tools/bench_rollout.py's table): the peak of forward + backward of lm_head and
-the per-token NLL alone, chunked as the loss runs it (loss_pass.token_nll) or all logits at once.
+the NLL alone, chunked as RL's loss runs it (loss_pass.weighted_nll) or all logits at once.
 """
 
 import argparse
@@ -108,16 +108,16 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size
     before = resident_kb("VmRSS")
-    if kind == "chunked":  # what GPT.forward does
-        nll = loss_pass.token_nll(h, weight, targets, max(1, 2 ** 24 // vocab))
+    if kind == "chunked":  # what RL's loss does (GPT.forward with token_weights)
+        loss = loss_pass.weighted_nll(h, weight, targets, torch.full((tokens,), 1.0 / tokens), max(1, 2 ** 24 // vocab))
     else:  # the previous way: all (tokens, vocab) logits at once
-        nll = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets, reduction="none")
-    nll.sum().backward()
+        loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets)
+    loss.backward()
     print((resident_kb("VmHWM") - before) * 1024)
 
 
 def logprob_peak(kind, tokens, hidden, vocab):
-    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (loss_pass.token_nll) or "unchunked"."""
+    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (loss_pass.weighted_nll) or "unchunked"."""
     out = subprocess.run([sys.executable, "-m", "tools.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return int(out.stdout.split()[-1])
@@ -149,14 +149,14 @@ def per_token(tokens=256):
             torch.nn.init.normal_(p, std=0.02)
         idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
         x = model.model.embed_tokens(idx)  # the layer's input (B, T, C), bf16
-        cos, sin = (t.to(x.dtype) for t in model.rope(torch.arange(tokens)[None]))
+        rope = model.rope(torch.arange(tokens)[None])
         layer = {}
         for checkpointing in (False, True):
             with SavedBytes(model) as saved:
                 h = x
                 for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
-                    h = (torch.utils.checkpoint.checkpoint(block, h, cos, sin, None, None, use_reentrant=False)
-                         if checkpointing else block(h, cos, sin, None, None))
+                    h = (torch.utils.checkpoint.checkpoint(block, h, rope, None, None, use_reentrant=False)
+                         if checkpointing else block(h, rope, None, None))
             layer[checkpointing] = saved.total
         with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
             hidden = model.model.norm(h.detach().requires_grad_())

@@ -10,18 +10,23 @@ columns (the sampler's softmax over a real 152k vocabulary is a small share of a
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
+step_parts: one step in its parts (rollout, reward, update) and the update's FLOPs, bench_rollout's RL-step rows.
 """
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
 import chat_rl
+import loss_pass
+from engine import Engine
 from tools import make_demo_model
 from gpt import GPT, GPTConfig
 from tasks import arith
@@ -71,6 +76,70 @@ def main():
     for r in rows:
         print(f"{r['step']:>4} | {r['step_time_s']:>11.2f} | {r['rollout_tokens_per_s']:>13.0f} | "
               f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['valid_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}")
+
+
+# ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)
+def step_parts(model, n_prompts, samples, new_tokens):
+    """
+    Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
+    chat_rl on the arith task, and the update's FLOPs. A random model's answers are never right, so the
+    verifier is a coin flip (as in tools/bench_rl_step.py): every group then has signal to train on.
+    """
+    defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
+    grade, arith.grade = arith.grade, coin_flip_grade
+    engine = Engine(model, ByteTokenizer())
+    generate, generate_seconds = engine.generate_batch, []
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        result = generate(*a, **kw)
+        generate_seconds.append(time.perf_counter() - t0)
+        return result
+
+    engine.generate_batch = timed_generate
+    try:
+        rows = arith.load("train")[:n_prompts]
+        model.eval()
+        t0 = time.perf_counter()
+        out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
+        rollout_and_reward = time.perf_counter() - t0
+        optimizer = chat_rl.adamw(model, 1e-6, defaults["weight_decay"])
+        model.train()
+        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
+
+        def update():  # the loss's forward and backward passes, clipping and an AdamW step, as chat_rl.train runs them
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            loss, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
+                                                           defaults["loss_norm"], "cpu",
+                                                           device_batch_tokens=defaults["device_batch_tokens"])
+            chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
+            return time.perf_counter() - t0, valid
+
+        # against the same update with every sequence run whole, one row each (the layout before prompts were
+        # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
+        make_shared_batch, shared, whole = chat_rl.make_shared_batch, math.inf, math.inf
+        for _ in range(2):
+            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
+            try:
+                whole = min(whole, update()[0])
+            finally:
+                chat_rl.make_shared_batch = make_shared_batch
+            seconds, valid = update()
+            shared = min(shared, seconds)
+    finally:
+        arith.grade = grade
+    c = model.config
+    kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
+            if a > 0]
+    # positions the forward pass runs: each row's own part (its sampled tokens, from the prompt's last token on)
+    # and each group's prompt less its last token once (kept is whole groups, in order)
+    positions = sum(sum(m) for _, m in kept) + sum(len(s) - sum(m) - 1 for s, m in kept[::samples])
+    body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+                                  + 3 * c.hidden_size * c.intermediate_size)
+    update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
+    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
+                update_whole=whole, update_flops=update_flops)
 
 
 if __name__ == "__main__":

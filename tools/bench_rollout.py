@@ -12,10 +12,12 @@ next to each run, best of several tries: the machine is shared), counting
     bytes: keys and values of the context, every layer, + all weights once per decode step / rows
 with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
 rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine reaches it.
+The same ceiling for completions 4x as long (512 new tokens), and the ATen operations one decode step
+dispatches, the engine's and transformers' on the same batch (tools/op_count.py): on a GPU each is at least
+one kernel launch, which at RL's small per-row work is what a decode step costs.
 """
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -28,8 +30,7 @@ import torch
 
 from engine import Engine, compaction_moves, decode_step, sample_next_token
 from gpt import GPT, GPTConfig
-import loss_pass
-from tools import bench_memory
+from tools import bench_memory, bench_rl_step, op_count
 
 QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
 CONFIGS = {
@@ -96,16 +97,21 @@ def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
     return len(prompts) * samples * new_tokens / seconds
 
 
-def transformers_tokens_per_s(hf, prompts, samples, new_tokens, top_k):
+@torch.inference_mode()
+def transformers_generate(hf, prompts, samples, new_tokens, top_k):
+    """transformers' generate on the same batch, every row sampling exactly new_tokens (top_k 0: the whole vocabulary)."""
     ids = torch.tensor(prompts)
     kw = dict(do_sample=True, temperature=1.0, top_k=top_k, pad_token_id=0, eos_token_id=None, num_return_sequences=samples)
-    with torch.inference_mode():
-        hf.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-        t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        seconds = time.perf_counter() - t0
-    assert out.shape == (len(prompts) * samples, ids.size(1) + new_tokens), out.shape
-    return out.numel() - len(prompts) * samples * ids.size(1), seconds
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+
+
+def transformers_tokens_per_s(hf, prompts, samples, new_tokens, top_k):
+    transformers_generate(hf, prompts[:1], samples, 2, top_k)  # warm-up
+    t0 = time.perf_counter()
+    out = transformers_generate(hf, prompts, samples, new_tokens, top_k)
+    seconds = time.perf_counter() - t0
+    assert out.shape == (len(prompts) * samples, len(prompts[0]) + new_tokens), out.shape
+    return out.numel() - len(prompts) * samples * len(prompts[0]), seconds
 
 
 def load_transformers(model):
@@ -232,7 +238,8 @@ def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
 def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
-    p.add_argument("--only", default="", help="comma-separated rows to run: engine, mixed, sampling, logprob, rlstep (default all)")
+    p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep "
+                                           "(default all)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
@@ -248,11 +255,11 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32 GEMM "
           f"{machine.gemm_flops / 1e9:.0f} GFLOP/s, read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)", flush=True)
     plan = [("tiny", [(1, 4), (2, 4)])] if quick else [("4L", [(1, 16), (16, 16)]), ("12L", [(1, 16), (16, 16)])]
-    for name, layouts in plan if wanted("engine") else []:
+    for name, layouts in plan if wanted("engine") or wanted("ops") or wanted("long") else []:
         model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
         c = model.config
         hf = load_transformers(model)
-        for n_prompts, samples in layouts:
+        for n_prompts, samples in layouts if wanted("engine") else []:
             prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
             now = measure_machine(quick)  # the machine is shared: its ceiling is measured again next to each run
             ours = engine_tokens_per_s(model, prompts, samples, new_tokens, top_k)
@@ -266,6 +273,22 @@ def main(argv=None):
                 f"{ours / (n / seconds):.1f}x", target_hf)
             add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
                 f"{ours / ceiling:.0%}", {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""))
+        if wanted("ops"):  # operations per decode step, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
+            n_prompts, samples = layouts[-1] if name != "12L" else layouts[0]
+            prompts, engine = random_prompts(n_prompts, prompt_len, c.vocab_size), Engine(model, Tokenizer(c.vocab_size))
+            ours, ours_all, _ = op_count.ops_per_step(lambda n: engine.generate_batch(prompts, samples, n, 1.0, 0, seed=1))
+            theirs, theirs_all, _ = op_count.ops_per_step(lambda n: transformers_generate(hf, prompts, samples, n, 0))
+            add(f"{name} {n_prompts}x{samples} decode step, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
+                f"transformers {theirs:.0f} ({theirs_all:.0f})", f"{ours / theirs:.2f}x", "<= 200" if name == "4L" else "")
+        if wanted("long") and name != "12L":  # long completions: the context grows 4x as long over the rollout
+            n_prompts, samples = layouts[-1]
+            long_tokens = 4 * new_tokens
+            prompts, now = random_prompts(n_prompts, prompt_len, c.vocab_size), measure_machine(quick)
+            ours = engine_tokens_per_s(model, prompts, samples, long_tokens, top_k)
+            ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, long_tokens, now)
+            add(f"{name} {n_prompts}x{samples}, {long_tokens} new tokens", f"{ours:,.0f} tok/s",
+                f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+                f"{ours / ceiling:.0%}", f">= {name} {n_prompts}x{samples}'s share")
         del hf
     if wanted("mixed"):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
@@ -291,7 +314,7 @@ def main(argv=None):
     if wanted("rlstep"):  # one whole RL step, 4L (tiny when quick)
         now = measure_machine(quick)
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0)
-        parts = rl_step(model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens)
+        parts = bench_rl_step.step_parts(model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens)
         update_ceiling = parts["update_flops"] / now.gemm_flops
         add(f"RL step {4 if quick else 16}x{4 if quick else 16}x{new_tokens}", f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
             f"update {parts['update']:.1f} s", f"update at the GEMM rate: {update_ceiling:.2f} s", f"{update_ceiling / parts['update']:.0%}", "")
@@ -310,74 +333,6 @@ def print_table(lines, quick, started, machine):
     for row in lines:
         print("| " + " | ".join(row) + " |")
     return 0
-
-
-# ---- one RL step through chat_rl's own functions (adapt here when chat_rl changes) ----------------
-def rl_step(model, n_prompts, samples, new_tokens):
-    """
-    Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
-    chat_rl on the arith task, and the update's FLOPs. A random model's answers are never right, so the
-    verifier is a coin flip (as in tools/bench_rl_step.py): every group then has signal to train on.
-    """
-    import hashlib
-    import chat_rl
-    from tasks import arith
-    from tokenizer import ByteTokenizer
-    defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    grade, arith.grade = arith.grade, lambda completion, ref: hashlib.sha256(completion.encode()).digest()[0] % 2 == 0
-    engine = Engine(model, ByteTokenizer())
-    generate, generate_seconds = engine.generate_batch, []
-
-    def timed_generate(*a, **kw):
-        t0 = time.perf_counter()
-        result = generate(*a, **kw)
-        generate_seconds.append(time.perf_counter() - t0)
-        return result
-
-    engine.generate_batch = timed_generate
-    try:
-        rows = arith.load("train")[:n_prompts]
-        model.eval()
-        t0 = time.perf_counter()
-        out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
-        rollout_and_reward = time.perf_counter() - t0
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        model.train()
-        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
-
-        def update():  # the loss's forward and backward passes and an AdamW step, as chat_rl.train runs them
-            t0 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            _, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
-                                                        defaults["loss_norm"], "cpu",
-                                                        device_batch_tokens=defaults["device_batch_tokens"])
-            optimizer.step()
-            return time.perf_counter() - t0, valid
-
-        # against the same update with every sequence run whole, one row each (the layout before prompts were
-        # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
-        make_shared_batch, shared, whole = chat_rl.make_shared_batch, math.inf, math.inf
-        for _ in range(2):
-            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
-            try:
-                whole = min(whole, update()[0])
-            finally:
-                chat_rl.make_shared_batch = make_shared_batch
-            seconds, valid = update()
-            shared = min(shared, seconds)
-    finally:
-        arith.grade = grade
-    c = model.config
-    kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
-            if a > 0]
-    # positions the forward pass runs: each row's own part (its sampled tokens, from the prompt's last token on)
-    # and each group's prompt less its last token once (kept is whole groups, in order)
-    positions = sum(sum(m) for _, m in kept) + sum(len(s) - sum(m) - 1 for s, m in kept[::samples])
-    body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-                                  + 3 * c.hidden_size * c.intermediate_size)
-    update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
-    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, update_flops=update_flops)
 
 
 if __name__ == "__main__":
