@@ -217,32 +217,32 @@ def sample_from_probs(probs, u):
     A full-row cumsum would be a second slow serial pass over the vocabulary; instead sum blocks of
     BLOCK tokens (one vectorized pass), pick the block on the (B, V / BLOCK) running sums, and run the
     cumsum only inside that block (B, BLOCK).
-    A token of probability 0 (cut by top-k) is never returned: searchsorted(right=True) finds the
-    first running sum strictly above the target, and a zero entry does not raise the running sum;
-    where rounding puts the target at or past the last running sum, the index is clamped to the last
-    entry that raised it (a positive one).
+    A token of probability 0 (cut by top-k, or the zeros padding V to whole blocks) is never returned:
+    searchsorted(right=True) finds the first running sum strictly above the target, and a zero entry
+    does not raise the running sum; where rounding puts the target at or past the last running sum,
+    the index is clamped to the last entry that raised it (a positive one).
     """
     B, V = probs.shape
-    n_full = V // BLOCK
-    block_sums = probs[:, :n_full * BLOCK].view(B, n_full, BLOCK).sum(dim=-1)  # (B, n_full)
-    if n_full * BLOCK < V:  # the last, partial block
-        block_sums = torch.cat([block_sums, probs[:, n_full * BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
-    running = block_sums.cumsum(dim=-1)                                      # (B, n_blocks)
-    target = u[:, None].to(running.dtype) * running[:, -1:]                 # (B, 1)
-    block = first_above(running, target)                                     # (B, 1)
-    before = torch.where(block > 0, running.gather(1, (block - 1).clamp(min=0)), 0.0)
-    # the chosen block's entries; slots past V (only in a partial last block) weigh nothing
-    token_ids = block * BLOCK + torch.arange(BLOCK, device=probs.device)     # (B, BLOCK)
-    inside = probs.gather(1, token_ids.clamp(max=V - 1)).masked_fill_(token_ids >= V, 0.0)
-    # target >= before exactly (searchsorted's promise), so target - before >= 0: a zero entry at the
-    # start of the block cannot be picked
-    return token_ids.gather(1, first_above(inside.cumsum(dim=-1), target - before))[:, 0]
+    n_blocks = -(-V // BLOCK)
+    if n_blocks * BLOCK > V:  # zeros up to whole blocks: they weigh nothing, so they are never drawn
+        probs = torch.nn.functional.pad(probs, (0, n_blocks * BLOCK - V))
+    blocks = probs.view(B, n_blocks, BLOCK)
+    block_sums = blocks.sum(dim=-1)                                      # (B, n_blocks)
+    running = block_sums.cumsum(dim=-1)
+    target = u[:, None].to(running.dtype) * running[:, -1:]             # (B, 1)
+    block = first_above(running, target)                                 # (B, 1)
+    # the running sum before the chosen block; rounding may put it an ulp above the target: clamp the rest at 0,
+    # which then picks the block's first positive entry
+    rest = (target - (running - block_sums).gather(1, block)).clamp(min=0)
+    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[:, 0]  # (B, BLOCK): the chosen block's entries
+    return (block * BLOCK + first_above(inside.cumsum(dim=-1), rest))[:, 0]
 
 
 def first_above(running, target):
     """Index (B, 1) of the first entry of running (B, n), nondecreasing, strictly above target (B, 1),
-    clamped to the first entry equal to the row's last (the last one that raised the running sum)."""
-    last_raise = torch.searchsorted(running, running[:, -1:].contiguous())
+    clamped to the first entry equal to the row's last (the last one that raised the running sum: the
+    first maximum, which argmax returns)."""
+    last_raise = running.argmax(dim=-1, keepdim=True)
     return torch.minimum(torch.searchsorted(running, target.contiguous(), right=True), last_raise)
 
 
@@ -393,6 +393,7 @@ class Engine:
         # steps before each row's first stop token = its completion length; max_tokens until it stops
         n_generated = torch.full((B,), max_tokens, dtype=torch.long, device=device)
         live_n = n_generated.clone()  # the same, for the rows in the batch, in batch order
+        steps = torch.arange(max_tokens + 1, device=device)  # steps[t]: the step as a tensor, no new one each step
         tools = None
         if self.tool is not None:
             if self.tool_tables is None:
@@ -407,7 +408,7 @@ class Engine:
                 token, forced, called = tools.step(t, token, live_n == max_tokens)
                 was_forced[t].index_copy_(0, rows, forced)
             out[t].index_copy_(0, rows, token)
-            live_n = torch.minimum(live_n, torch.where(torch.isin(token, stop), t, max_tokens))
+            live_n = torch.minimum(live_n, torch.where(torch.isin(token, stop), steps[t], steps[max_tokens]))
             if tools is None:
                 n_done = int((live_n < max_tokens).sum())  # the step's one host sync
             else:

@@ -234,12 +234,57 @@ def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
     return sample, decode
 
 
+# ---- the calculator's cost ------------------------------------------------------------------------
+def open_every_call(model, token):
+    """A forward hook that lifts `token` (the byte '<') 1000 above the prefill's logits: every row's first
+    token then opens a call, and the demo's policy goes on in its calculator style (`<<4*5=20>>`)."""
+    def hook(module, args, kwargs, logits):
+        cache = kwargs.get("kv_cache")
+        if cache is not None and not cache.decoding:
+            logits[..., token] += 1000.0
+        return logits
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def tool_overhead(quick, tries):
+    """
+    The engine with the calculator on against off, on the same batch: the demo's policy on arith problems
+    as it starts out (about one sample in seven calls the tool, three times each), then with every row's
+    first token a '<', so that about every row calls it as a policy trained to use it does. No stop token,
+    so both sides decode the same rows for the same steps and differ only in the tool's work: spotting
+    calls, answering them, feeding the forced tokens. Returns (calls per row, tool-on tok/s, tool-off tok/s).
+    """
+    from calculator import calculate
+    from checkpoint import load_policy
+    from tasks import arith
+    from tasks.common import conversation
+    model, tokenizer = load_policy("demo_model", "cpu")
+    model.eval()
+    tokenizer.stop_tokens = set()  # every row runs to new_tokens, tool or not
+    rows = arith.load("test", limit=4 if quick else 16)
+    prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in rows]
+    samples, new_tokens = (4, 32) if quick else (16, 64)
+    results = []
+    for open_calls in (False, True):
+        handle = open_every_call(model, ord("<")) if open_calls else None
+        on, off = Engine(model, tokenizer, tool=calculate), Engine(model, tokenizer)
+        for engine in (on, off):
+            engine.generate_batch(prompts[:1], 2, 4, seed=0)  # warm-up (and the tool's vocabulary tables)
+        seconds = {engine: best_of(lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, 0, seed=1), tries)
+                   for engine in (on, off)}
+        if handle is not None:
+            handle.remove()
+        tokens = len(prompts) * samples * new_tokens
+        results.append((sum(on.tool_calls) / len(on.tool_calls), tokens / seconds[on], tokens / seconds[off]))
+    return results
+
+
 # ---- the table --------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
-    p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep "
-                                           "(default all)")
+    p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
+                                           "tool (default all)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
@@ -320,6 +365,10 @@ def main(argv=None):
             f"update {parts['update']:.1f} s", f"update at the GEMM rate: {update_ceiling:.2f} s", f"{update_ceiling / parts['update']:.0%}", "")
         add("update, each prompt run once", f"{parts['update']:.2f} s", f"every sequence whole: {parts['update_whole']:.2f} s",
             f"{parts['update'] / parts['update_whole']:.2f}x", "")
+    if wanted("tool"):  # the calculator on against off, on the demo's policy
+        for label, (calls, on, off) in zip(("as it starts", "every row calling"), tool_overhead(quick, tries=2 if quick else 3)):
+            add(f"calculator on, demo model, {label}, {calls:.1f} calls a row", f"{on:,.0f} tok/s", f"calculator off: {off:,.0f} tok/s",
+                f"{on / off:.2f}x", ">= 0.90x")
     return print_table(lines, quick, started, machine)
 
 
