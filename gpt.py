@@ -135,7 +135,7 @@ class Attention(nn.Module):
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif attn_mask is None:  # the cache knows where the keys are: a decode step (engine.KVCache), SharedPrefix
+        elif attn_mask is None:  # the cache knows where the keys are: a decode step (kv_cache.KVCache), SharedPrefix
             y = kv_cache.attend(self.layer_idx, q, k, v)
         else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
@@ -240,7 +240,7 @@ class GPT(nn.Module):
                 temperature=1.0, token_weights=None):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
-        With a cache (see engine.KVCache), rows may be left-padded: the cache hands over each row's
+        With a cache (see kv_cache.KVCache), rows may be left-padded: the cache hands over each row's
         RoPE rotations and, for the prefill, the mask that skips its padding; a decode step (one token
         per row) attends through the cache, which knows where the row's keys are. Only the last
         position's logits (B, 1, V) are returned, all the sampler needs.
@@ -283,7 +283,7 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx, kv_cache=None):
         """(B, T) token ids -> final-norm hidden states (B, T, C). kv_cache, if given, decides each token's position
-        and what its attention sees: an engine.KVCache (sampling) or a SharedPrefix (the loss; it caches nothing)."""
+        and what its attention sees: a kv_cache.KVCache (sampling) or a SharedPrefix (the loss; it caches nothing)."""
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if kv_cache is None:

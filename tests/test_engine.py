@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine import Engine, KVCache, autocast_weights, compaction_moves, decode_step
+from compiled_decode import autocast_weights, decode_step
+from engine import Engine, KVCache, compaction_moves
 from gpt import GPT, GPTConfig
 from tokenizer import ByteTokenizer
 

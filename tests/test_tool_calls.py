@@ -22,7 +22,7 @@ class ScriptedModel(torch.nn.Module):
     text so far (its tokens as fed back to it, forced ones included) and puts a large logit on the
     longest token that continues its script; once the script is written (or the text has left it) it
     says stop. Underneath, a tiny random GPT runs the KV cache exactly as a real policy would, and
-    KVCache.rows tells which original row each batch slot holds after compaction.
+    KVCache.row_ids tells which original row each batch slot holds after compaction.
     """
 
     def __init__(self, tokenizer, scripts, num_samples, stop):
@@ -41,7 +41,7 @@ class ScriptedModel(torch.nn.Module):
             self.history = {row: [] for row in range(idx.size(0) * self.num_samples)}
             rows = [p * self.num_samples for p in range(idx.size(0))]  # every sample of a prompt starts alike
         else:
-            rows = kv_cache.rows.tolist() if kv_cache.rows is not None else list(range(idx.size(0)))
+            rows = kv_cache.row_ids.tolist() if kv_cache.row_ids is not None else list(range(idx.size(0)))
             for slot, row in enumerate(rows):
                 self.history[row].append(int(idx[slot, 0]))
         for slot, row in enumerate(rows):

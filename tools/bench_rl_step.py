@@ -139,7 +139,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
                                   + 3 * c.hidden_size * c.intermediate_size)
     update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
     return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, update_flops=update_flops)
+                update_whole=whole, update_flops=update_flops, positions=positions, valid=valid)
 
 
 if __name__ == "__main__":

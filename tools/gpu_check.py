@@ -36,7 +36,8 @@ from types import SimpleNamespace
 import torch
 
 import loss_pass
-from engine import Engine, autocast_weights, decode_step
+from compiled_decode import autocast_weights, decode_step
+from engine import Engine
 from gpt import GPT, GPTConfig
 from tools import bench_rollout
 from tools.bench_rl_step import SHAPES
