@@ -139,11 +139,10 @@ def derive_seed(*parts):
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress=""):
-    """Sample num_samples completions per problem and score each. Returns a dict of per-completion
-    lists, prompt-major (the samples of problems[0], then of problems[1], ...). An engine call
-    decodes at most rows_per_call completions side by side (its batch rows) and draws from its own
-    stream, derived from seed and its first problem's index. progress: a label to show a progress
-    bar under (on a terminal only), for the long evals."""
+    """Sample num_samples completions per problem and score each. Returns a dict of per-completion lists,
+    prompt-major (the samples of problems[0], then of problems[1], ...). An engine call decodes at most
+    rows_per_call completions side by side (its batch rows) and draws from its own stream, derived from seed
+    and its first problem's index. progress: a label to show a progress bar under (terminal only), for evals."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
@@ -251,9 +250,8 @@ def adamw(model, lr, weight_decay):
 
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, valid_tokens):
-    """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or
-    gradient skips the update; so does a step where no row carried gradient (AdamW's momentum
-    would still move the weights)."""
+    """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or gradient
+    skips the update; so does a step where no row carried gradient (AdamW's momentum would still move the weights)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True))
@@ -385,9 +383,8 @@ def load_data(task, cfg):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = parse_config(argv, HYPERPARAMETERS, __doc__)
+        cfg = parse_config(sys.argv[1:] if argv is None else argv, HYPERPARAMETERS, __doc__)
         check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group, model or data
         rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
         return train(cfg, rank, world, device)
