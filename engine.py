@@ -5,7 +5,7 @@ Engine.generate_batch takes P prompts of different lengths and samples S complet
 batch of B = P * S rows:
   1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once; the
      KV cache knows each prompt's pad count, so padding is neither attended to nor counted in RoPE
-     positions (a left-padded prompt computes exactly what it computes alone).
+     positions (a left-padded prompt computes what it computes alone, up to the last bit).
   2. share: each prompt's keys and values serve all its S samples: prefilled once, stored once.
   3. decode: one token per step for every row, until each has sampled a stop token or max_tokens
      tokens. A finished row keeps decoding (its tokens are discarded) until enough rows have finished
@@ -16,7 +16,8 @@ batch of B = P * S rows:
 Sampling is by inverse CDF: the token is where the row's uniform number for the step falls in its
 cumulative probabilities. All of a call's numbers are drawn up front from a seeded generator: u[t, b]
 is row b's at step t (drawn as torch.rand(B, max_tokens), a row's numbers one run of the generator's
-stream, and stored transposed, so a step reads its numbers u[t] as one contiguous slice). A row's
+stream, and stored transposed, so a step reads its numbers u[t] as one contiguous slice; a compaction
+moves each row's column with it). A row's
 token depends only on its own logits and its own u[t, b]: neither finished rows, compaction, nor the
 other rows change what it draws, and the same seed gives the same samples. (Its logits can still move
 in the last bit with the batch's size, as any batched matmul's do; where that crosses a boundary
@@ -66,11 +67,16 @@ def _sample_rows(logits, u, temperature, top_k):
     # k-th (then more than k entries are >= the k-th, and all of them stay in)
     values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
     kth = values[:, top_k - 1:top_k]
-    if logits.is_cuda or bool((values[:, top_k:] == kth).any()):
-        # a tie at the k-th (or a GPU: there this check would be a host sync, and the full row costs little)
+    if logits.is_cuda:  # every row over the whole vocabulary: a check for ties would be a host sync
         return sample_from_probs(torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u)
-    # no tie: sample among the k candidates only, no pass over the whole vocabulary
-    return ids.gather(1, sample_from_probs(torch.softmax(values[:, :top_k], dim=-1), u)[:, None])[:, 0]
+    # sample among the k candidates only, no pass over the whole vocabulary; a row with a tie at the k-th
+    # keeps every tied entry, over its whole row: each row's path depends on its own logits alone
+    token = ids.gather(1, sample_from_probs(torch.softmax(values[:, :top_k], dim=-1), u)[:, None])[:, 0]
+    tied = values[:, top_k] == kth[:, 0]
+    if bool(tied.any()):
+        rows, kth = logits[tied], kth[tied]
+        token[tied] = sample_from_probs(torch.softmax(torch.where(rows >= kth, rows, float("-inf")), dim=-1), u[tied])
+    return token
 
 
 def sample_from_probs(probs, u):
@@ -142,7 +148,7 @@ class Engine:
         the back into finished rows' slots, at most min(finished, running) rows and only their written own
         slots (compaction_moves), while shrinking the batch by 1/8 saves 1/8 of every later step.
     compile_decode: torch.compile the decode step, for CUDA, where per-step Python and kernel launches
-        dominate (compiled_decode.py). Off by default: not yet shown on a GPU to give the same samples
+        dominate (compiled_decode.py). Off by default until a GPU run shows it gives the same samples
         faster; on a CPU compiling costs about a minute per batch size and gains nothing.
     tool: a function from an expression to its result text or None (calculator.calculate), called when a
         row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
@@ -238,7 +244,7 @@ class Engine:
                 keep = keep if n_keep == n_running else with_finished_padding(keep, n_running, n_keep)
                 holes, fillers, order = compaction_moves(keep, n_keep)
                 row_ids, stop_step, token, u = row_ids[order], stop_step[order], token[order], u[:, order]
-                cache.keep_rows(holes, fillers, row_ids, written=t)  # own slots 0..t-1 hold tokens 0..t-1
+                cache.keep_rows(holes, fillers, row_ids, written=t)  # tokens 0..t-1 are in; token t is fed next
                 if tools is not None:
                     tools.keep_rows(order)
             logits = step(model, token, cache)

@@ -43,6 +43,7 @@ class KVCache:
         self.lead = None          # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
         self.first_position = self.row_start = None  # (B,) RoPE position of each row's own slot 0: by original row, by batch row
         self.prompt_mask = self.own_mask = None      # additive masks of the scores against the two parts
+        self.grid_prompt = self.grid_sample = None   # after a compaction: each batch row's prompt and sample (_to_grid)
 
     def update(self, layer, k, v):
         """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
@@ -100,7 +101,8 @@ class KVCache:
         own_k, own_v = self.write_own(layer, k, v)  # (B, Hkv, slots, D)
         slots = own_k.size(2)
         q = q.view(B, Hkv, g, D) * D ** -0.5  # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
-        # scores with the masks added by the same call: prompt padding (P * Hkv, 1, T), own slots not written yet
+        # scores with the masks added by the same call: prompt padding (P * Hkv, 1, T); own_mask hides nothing here
+        # (the slots read are the written ones), the unwritten ones under compiled_decode's static shapes
         prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].transpose(1, 2))
         own_scores = torch.baddbmm(self.own_mask, q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
         # one softmax over prompt and own keys, in fp32 under autocast; the cat also brings the prompt part back to rows
@@ -131,9 +133,9 @@ class KVCache:
         self.row_ids, self.row_start, self.lead = row_ids, self.first_position[row_ids], (row_ids.size(0),)
         self.grid_prompt, self.grid_sample = row_ids // self.samples, row_ids % self.samples  # each row's place in the grid
         for buffers in (self.k, self.v):
-            for i, t in enumerate(buffers):
-                t[holes, :, :written] = t[fillers, :, :written]
-                buffers[i] = t[:row_ids.size(0)]
+            for i, buffer in enumerate(buffers):
+                buffer[holes, :, :written] = buffer[fillers, :, :written]
+                buffers[i] = buffer[:row_ids.size(0)]
 
     def _to_grid(self, x):
         """
@@ -151,7 +153,7 @@ class KVCache:
 
     def _from_grid(self, y):
         """The grid (P * Hkv, S * g, Y) -> rows (*lead, Hkv, g, Y): a view (P, S, ...) while every row is in the
-        batch, the rows' entries (B, ...) after a compaction."""
+        batch, the rows' entries (B, ...) after a compaction (the two index tensors, apart, put their dim first)."""
         P, S = self.pad.size(0), self.samples
-        y = y.view(P, y.size(0) // P, S, -1, y.size(-1))
+        y = y.view(P, y.size(0) // P, S, -1, y.size(-1))  # (P, Hkv, S, g, Y)
         return y.transpose(1, 2) if self.row_ids is None else y[self.grid_prompt, :, self.grid_sample]

@@ -70,3 +70,16 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows(vocab):
     for i in (0, 13, 39):
         assert sample_next_token(logits[i:i + 1], u[i:i + 1], 1.0, top_k=0) == batched[i]
     assert torch.equal(sample_next_token(logits[5:30], u[5:30], 1.0, top_k=0), batched[5:30])
+
+
+def test_with_top_k_a_rows_draw_does_not_depend_on_a_neighbour_tied_at_its_kth():
+    # a tie at the k-th entry sends its row over the whole vocabulary; a row beside it without a tie must still draw
+    # what it draws alone (once the whole chunk switched paths, and the same u picked another token 2 times in 3)
+    gen = torch.Generator().manual_seed(0)
+    logits, k = torch.randn(2, V, generator=gen) * 3, 5
+    logits[1, torch.topk(logits[1], k + 1).indices[k]] = torch.topk(logits[1], k).values[-1]  # row 1: tied at its k-th
+    u = torch.rand(200, 2, generator=gen)
+    together = torch.stack([sample_next_token(logits, u[i], 1.0, top_k=k) for i in range(200)])
+    alone = torch.tensor([[int(sample_next_token(logits[i:i + 1], u[j, i:i + 1], 1.0, top_k=k)) for i in range(2)] for j in range(200)])
+    assert torch.equal(together, alone)
+    assert len(set(together[:, 1].tolist())) == k + 1  # the tied row keeps all k + 1 entries >= its k-th
