@@ -30,6 +30,8 @@ def test_reproduces_gsm8k_annotations_except_floor_division():
     ("10/3", "3.3333"), ("2/3", "0.6667"), ("-10/3", "-3.3333"), ("-(2-5)", "3"), ("+4", "4"),
     ("1,200*3", "3600"), ("1,000,000/4", "250000"), ("(1+2)*(3+4)", "21"), (" 7 - 10 ", "-3"),
     ("0.1+0.2", "0.3"), (".5*4", "2"), ("-0.00001", "0"), ("1/3-1/3", "0"),
+    # exact: in floats these lose their last digits (or pick up 0.30000000000000004-style tails)
+    ("123456789012345678901/3*3", "123456789012345678901"), ("12345678901234567891*10/10", "12345678901234567891"),
 ])
 def test_exact_values_print_as_integers_or_short_decimals(expression, text):
     assert calculate(expression) == text
