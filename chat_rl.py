@@ -1,5 +1,5 @@
 """
-Reinforcement learning on verifiable math for a chat model, by the plain policy gradient (REINFORCE).
+chat_rl trains a chat model on verifiable math by reinforcement learning with the plain policy gradient (REINFORCE).
 
 "GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their
 group's average, lower it for those below.
@@ -128,11 +128,10 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
 
 
 def derive_seed(*parts):
-    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g.
-    (run seed, "rollout", step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated
-    streams; bare arithmetic would not (seed * 1000 + epoch is the same for seed 0, epoch 1000 and
-    seed 1, epoch 0). Evals reuse one stream per rank at every step, so successive evals draw the
-    same random numbers and pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
+    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g. (run seed, "rollout",
+    step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated streams; bare arithmetic would not (seed *
+    1000 + epoch is the same for seed 0, epoch 1000 and seed 1, epoch 0). Evals reuse one stream per rank at every step,
+    so pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -317,7 +316,8 @@ def train(cfg, rank, world, device):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
     print0(f"chat_rl: task={cfg.task} model={cfg.model} ({model.num_params() / 1e6:.1f}M params) ranks={world} "
-           f"device={device.type} steps={start_step}->{num_steps} out={cfg.out_dir}")
+           f"device={device.type} steps={start_step}->{num_steps} out={cfg.out_dir}"
+           + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not state else ""))
     stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
     last_saved = start_step if state else -1  # the step of the newest checkpoint: none is written twice

@@ -100,7 +100,9 @@ def check_config(cfg, world_size):
         if value == 0 or value < -1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive or -1 (off/derived), got {value}")
     if cfg.examples_per_step % world_size:
-        raise ConfigError(f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks")
+        lower = cfg.examples_per_step - cfg.examples_per_step % world_size
+        raise ConfigError(f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks: "
+                          f"use a multiple of {world_size}, e.g. {', '.join(str(n) for n in (lower, lower + world_size) if n > 0)}")
     for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")

@@ -52,7 +52,7 @@ def stop_line(step, num_steps, minutes, out_dir):
         return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
                 f"to continue: the same command, with all its flags, plus --resume")
     return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
-            f"to train on: a new run with --model={path} and a new --out-dir (its learning rate starts again from --lr)")
+            f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from --lr)")
 
 
 def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):

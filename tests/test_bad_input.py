@@ -77,7 +77,10 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
 
 def test_examples_per_step_must_divide_among_ranks():
     cfg = flags.parse_config(["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS)
-    with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks"):
+    with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks: use a multiple of 2, e.g. 2, 4$"):
+        flags.check_config(cfg, world_size=2)
+    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=1"], chat_rl.HYPERPARAMETERS)
+    with pytest.raises(flags.ConfigError, match="e.g. 2$"):  # no 0 among the values it suggests
         flags.check_config(cfg, world_size=2)
 
 

@@ -58,7 +58,8 @@ def test_a_stopped_run_says_how_to_continue_it():
 def test_a_finished_run_says_how_to_train_on_from_it():
     lines = stop_line(40, 40, 3.7, "out/demo").splitlines()
     assert lines[0] == "done at step 40/40 after 3.7 min; checkpoint in out/demo/step_000040"
-    assert "a new run with --model=out/demo/step_000040 and a new --out-dir" in lines[1]
+    # "the same command": the flags that made the run (--preset=demo among them) make the next one too
+    assert lines[1].startswith("to train on: the same command with --model=out/demo/step_000040 and a new --out-dir")
 
 
 def test_a_run_ends_with_its_stop_line(tmp_path, capsys):
@@ -82,3 +83,15 @@ def test_help_piped_into_head_ends_quietly():
     proc.stdout.close()
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 0 and stderr == "", stderr
+
+
+def test_resume_with_nothing_to_resume_says_it_starts_from_step_0(tmp_path, capsys):
+    # --resume into an empty (or mistyped) out dir starts fresh, as a preemption script needs, but not silently
+    model_dir = str(tmp_path / "model")
+    GPT(GPTConfig(**TINY)).init_weights(0).save_pretrained(model_dir)
+    ByteTokenizer().save_pretrained(model_dir)
+    argv = ["--preset=demo", f"--model={model_dir}", "--num-steps=1", "--examples-per-step=2", "--num-samples=2",
+            "--max-new-tokens=4", "--eval-every=-1", "--resume"]
+    assert chat_rl.main(argv + [f"--out-dir={tmp_path / 'typo'}"]) == 0
+    start = capsys.readouterr().out.splitlines()[0]
+    assert start.startswith("chat_rl: ") and start.endswith("steps=0->1 out=" + str(tmp_path / "typo") + " (--resume: no checkpoint there yet, so from step 0)")
