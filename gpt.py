@@ -100,11 +100,13 @@ def apply_rope(x, rope):
     every q . k, all that attention reads of them, is the same.
     """
     half = x.size(-1) // 2
-    x = x.float()
     if torch.compiler.is_compiling():  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+        x = x.float()
         x1, x2, cos, sin = x[..., :half], x[..., half:], rope[..., 0], rope[..., 1]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return torch.view_as_real(torch.complex(x[..., :half], x[..., half:]) * torch.view_as_complex(rope)).flatten(-2)
+    # each pair side by side as one complex number: one copy, which (unlike torch.complex) keeps nothing for backward
+    pairs = x.unflatten(-1, (2, half)).transpose(-1, -2).float().clone(memory_format=torch.contiguous_format)
+    return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rope)).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -134,7 +136,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+            # k and v are slices of the fused projections: saved as they are for the backward pass, they would keep
+            # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
+            y = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         elif attn_mask is None:  # the cache knows where the keys are: a decode step (kv_cache.KVCache), SharedPrefix
             y = kv_cache.attend(self.layer_idx, q, k, v)
         else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
