@@ -10,7 +10,7 @@ columns (the sampler's softmax over a real 152k vocabulary is a small share of a
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
-step_parts: one step in its parts (rollout, reward, update) and the update's FLOPs, bench_rollout's RL-step rows.
+step_parts: one step in its parts (rollout, reward, update), the update's FLOPs and its matmuls' floor, bench_rollout's RL-step rows.
 """
 
 import argparse
@@ -79,11 +79,38 @@ def main():
 
 
 # ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)
+def update_matmul_seconds(c, positions, valid):
+    """
+    Seconds of the update's weight matmuls alone, each timed at its own shape: for every Linear of a layer (times the
+    layers) and the head, the forward x @ W.T and the backward's two, dY @ W and dY.T @ x, on `positions` rows (the
+    head: the `valid` tokens the loss projects). Small inner dimensions (width 256) run well below a square GEMM's
+    rate: this is the floor those matmuls set, whatever the rest of the update does.
+    """
+    width, heads = c.hidden_size, c.head_dim * (c.num_attention_heads + 2 * c.num_key_value_heads)
+    shapes = [(width, heads), (c.head_dim * c.num_attention_heads, width), (width, 2 * c.intermediate_size),
+              (c.intermediate_size, width)]
+    total = 0.0
+    for (n_in, n_out), rows, times in [(s, positions, c.num_hidden_layers) for s in shapes] + [((width, c.vocab_size), valid, 1)]:
+        x, w, dy = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
+        total += times * sum(fastest_of_two(f) for f in (lambda: x @ w.T, lambda: dy @ w, lambda: dy.T @ x))
+    return total
+
+
+def fastest_of_two(fn):
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def step_parts(model, n_prompts, samples, new_tokens):
     """
     Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
-    chat_rl on the arith task, and the update's FLOPs. A random model's answers are never right, so the
-    verifier is a coin flip (as in tools/bench_rl_step.py): every group then has signal to train on.
+    chat_rl on the arith task, the update's FLOPs and the seconds of its weight matmuls alone
+    (update_matmul_seconds). A random model's answers are never right, so the verifier is a coin flip
+    (coin_flip_grade): every group then has signal to train on.
     """
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     grade, arith.grade = arith.grade, coin_flip_grade
@@ -139,7 +166,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
                                   + 3 * c.hidden_size * c.intermediate_size)
     update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
     return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, update_flops=update_flops, positions=positions, valid=valid)
+                update_whole=whole, update_flops=update_flops, update_matmuls=update_matmul_seconds(c, positions, valid))
 
 
 if __name__ == "__main__":
