@@ -75,7 +75,7 @@ class ToolCalls:
         self.forced_pos = torch.zeros(num_rows, dtype=torch.long, device=device)  # the next one to feed
         self.calls, self.errors = [0] * num_rows, [0] * num_rows  # per original row: calls made, and of them refused
 
-    def step(self, t, token, live):
+    def step(self, t, token, running):
         """
         token (B,) as sampled at step t -> (token with forced tokens in place, forced (B,) bool, called (B,) bool):
         called = the row's token ended a call (the result is forced from step t + 1, once answer() has run).
@@ -88,18 +88,19 @@ class ToolCalls:
         before = self.state
         self.state = self.next_state[token, before]
         self.opened_at = torch.where((before == OUT) & (self.state != OUT), t, self.opened_at)
-        called = self.fires[token, before] & live  # a finished row still in the batch writes nothing that counts
+        called = self.fires[token, before] & running  # a finished row still in the batch writes nothing that counts
         return token, forced, called
 
-    def answer(self, t, called, rows, out):
+    def answer(self, t, called, row_ids, out):
         """
         Run the tool for the rows whose token ended a call at step t (one host sync for all of them): decode
-        each row's text from its call's first '<' (out[s, row] is original row `row`'s token at step s), take
+        each row's text from its call's first '<' (out[s, row] is original row `row`'s token at step s; row_ids:
+        each batch slot's original row), take
         what follows the last '<<' up to the '=', and queue the result and '>>' as the row's forced tokens.
         """
         slots = called.nonzero()[:, 0]
-        starts, originals = self.opened_at[slots].tolist(), rows[slots].tolist()
-        spans = out[:t + 1, rows[slots]].T.tolist()
+        starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
+        spans = out[:t + 1, row_ids[slots]].T.tolist()
         answered, forced, lengths = [], [], []
         for slot, start, row, span in zip(slots.tolist(), starts, originals, spans):
             text = self.tokenizer.decode(span[start:])
