@@ -95,8 +95,8 @@ class ToolCalls:
         """
         Run the tool for the rows whose token ended a call at step t (one host sync for all of them): decode
         each row's text from its call's first '<' (out[s, row] is original row `row`'s token at step s; row_ids:
-        each batch slot's original row), take
-        what follows the last '<<' up to the '=', and queue the result and '>>' as the row's forced tokens.
+        each batch slot's original row), take what follows the last '<<' up to the '=', and queue the result
+        and '>>' as the row's forced tokens.
         """
         slots = called.nonzero()[:, 0]
         starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
