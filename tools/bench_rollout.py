@@ -31,6 +31,7 @@ import torch
 from engine import Engine, compaction_moves, decode_step, sample_next_token
 from gpt import GPT, GPTConfig
 from tools import bench_memory, bench_rl_step, op_count
+from tools.bench_rl_step import best_of
 
 QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
 CONFIGS = {
@@ -51,17 +52,6 @@ class Tokenizer:
         self.vocab_size, self.stop_tokens = vocab_size, set(stop_tokens)
 
 
-def best_of(fn, tries):
-    """Smallest wall time of fn() over tries calls: the machine is shared, the minimum is the least disturbed."""
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-# ---- the machine ----------------------------------------------------------------------------
 def measure_machine(quick):
     n = 512 if quick else 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
