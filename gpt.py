@@ -127,14 +127,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
-        qk, v = qkv[:, :, :H + self.n_kv_head], qkv[:, :, H + self.n_kv_head:].transpose(1, 2)  # v: (B, Hkv, T, D)
+        # split, not sliced: the backward pass of two slices fills two zero tensors the size of qkv, a split's joins once
+        qk, v = qkv.split([H + self.n_kv_head, self.n_kv_head], dim=2)
+        v = v.transpose(1, 2)  # (B, Hkv, T, D)
         if hasattr(self, "q_norm"):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
             weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1)))
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
         # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's dtype, so the KV
         # cache holds bf16 keys instead of fp32 ones
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
-        q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
+        q, k = qk.split([H, self.n_kv_head], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             # k and v are slices of the fused projections: saved as they are for the backward pass, they would keep
             # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
@@ -162,8 +164,32 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        return self.down_proj(SwiGLU.apply(self.gate_up_proj(x)))
+
+
+class SwiGLU(torch.autograd.Function):
+    """
+    silu(gate) * up of the fused (..., 2 * I) gate/up output, keeping that output alone for the backward pass.
+    Autograd's silu(gate) * up would keep silu(gate) as well, I more numbers a token a layer (a sixth of a
+    Qwen2.5-0.5B layer's activations), and join the two halves' gradients with one more copy; here the backward
+    pass recomputes silu(gate) and writes each half's gradient into its place in one (..., 2 * I) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), grad, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_gate_up
 
 
 class Block(nn.Module):

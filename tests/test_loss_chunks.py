@@ -120,3 +120,22 @@ def test_the_weighted_loss_has_the_weighted_nlls_value_and_gradients_and_project
         assert torch.allclose(loss_a, loss_b, rtol=1e-5) and fused_matmuls == 0 and recomputed == 9
         for name in grad_a:
             assert (grad_a[name] - grad_b[name]).abs().max() <= tolerance * grad_b[name].abs().max(), (autocast, name)
+
+
+def test_the_mlp_keeps_its_gate_up_output_not_silu_of_it_and_has_autograds_gradients():
+    # what the MLP's backward keeps, weights aside: its input (N, C), the fused gate/up output (N, 2I) and down_proj's
+    # input (N, I); autograd's silu(gate) * up would keep silu(gate), N x I more
+    mlp = small_model().model.layers[0].mlp
+    N, C, I = 10, 32, 64
+    x = torch.randn(N, C, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    weights = {p.data_ptr() for p in mlp.parameters()}
+    saved = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
+        y = mlp(x)
+    assert sum(n for ptr, n in saved.items() if ptr not in weights) == N * (C + 2 * I + I) * 4
+    grad = torch.randn(N, C, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(y, [x, mlp.gate_up_proj.weight, mlp.down_proj.weight], grad)
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    want = torch.autograd.grad(mlp.down_proj(F.silu(gate) * up), [x, mlp.gate_up_proj.weight, mlp.down_proj.weight], grad)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
