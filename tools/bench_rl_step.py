@@ -10,7 +10,8 @@ columns (the sampler's softmax over a real 152k vocabulary is a small share of a
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
-step_parts: one step in its parts (rollout, reward, update), the update's FLOPs and its matmuls' floor, bench_rollout's RL-step rows.
+step_parts: one step in its parts (rollout, reward, update), the update's FLOPs, the GEMM rate beside it and its
+matmuls' floor, bench_rollout's RL-step rows.
 """
 
 import argparse
@@ -145,30 +146,49 @@ def step_parts(model, n_prompts, samples, new_tokens):
             chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
             return time.perf_counter() - t0, valid
 
+        c = model.config
+        kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
+                if a > 0]
+        work = update_work(c, kept, samples)
+        # a square GEMM as many FLOPs long as the update, timed beside each try of it: on a shared machine the rate of
+        # the same seconds, not of a quieter moment (a GEMM of a second or less reads the machine at its best)
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        gemms = max(1, round((work["weight_flops"] + work["attention_flops"]) / (2 * 2048 ** 3)))
         # against the same update with every sequence run whole, one row each (the layout before prompts were
         # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
-        make_shared_batch, shared, whole = chat_rl.make_shared_batch, math.inf, math.inf
+        make_shared_batch, shared, whole, gemm = chat_rl.make_shared_batch, math.inf, math.inf, math.inf
         for _ in range(2):
             chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
             try:
                 whole = min(whole, update()[0])
             finally:
                 chat_rl.make_shared_batch = make_shared_batch
-            seconds, valid = update()
-            shared = min(shared, seconds)
+            shared = min(shared, update()[0])
+            gemm = min(gemm, best_of(lambda: [a @ b for _ in range(gemms)], 1))
     finally:
         arith.grade = grade
-    c = model.config
-    kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
-            if a > 0]
-    # positions the forward pass runs: each row's own part (its sampled tokens, from the prompt's last token on)
-    # and each group's prompt less its last token once (kept is whole groups, in order)
-    positions = sum(sum(m) for _, m in kept) + sum(len(s) - sum(m) - 1 for s, m in kept[::samples])
+    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
+                update_whole=whole, gemm_flops=gemms * 2 * 2048 ** 3 / gemm,
+                update_matmuls=update_matmul_seconds(c, work["positions"], work["valid"]), **work)
+
+
+def update_work(c, kept, samples):
+    """
+    Weight and attention FLOPs of the update's forward and backward passes over the kept rows (whole groups of
+    `samples`, in order), laid out as the loss runs them: each row's own part (its sampled tokens, from the prompt's
+    last token on) and each group's prompt less its last token once. Weights: 2 FLOPs a weight a position forward, 4
+    backward. Attention: q.k and p.v, 4 x heads x head_dim a (query, key) pair and layer forward, twice that backward;
+    an own position sees the prefix and the own positions up to it, a prefix position the prefix up to it. Also the
+    positions the layers run and the tokens the head projects (valid).
+    """
+    own = [(sum(m), len(s) - sum(m) - 1) for s, m in kept]  # (own positions, prefix length) a row
+    positions = sum(n for n, _ in own) + sum(p for _, p in own[::samples])
+    pairs = sum(n * p + n * (n + 1) // 2 for n, p in own) + sum(p * (p + 1) // 2 for _, p in own[::samples])
     body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
                                   + 3 * c.hidden_size * c.intermediate_size)
-    update_flops = 6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid  # forward 2, backward 4 per weight
-    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, update_flops=update_flops, update_matmuls=update_matmul_seconds(c, positions, valid))
+    valid = sum(sum(m[1:]) for _, m in kept)
+    return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid, positions=positions, valid=valid,
+                attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs)
 
 
 if __name__ == "__main__":
