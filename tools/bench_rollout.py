@@ -318,14 +318,19 @@ def main(argv=None):
             add(f"{name} {n_prompts}x{samples} decode step, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
                 f"transformers {theirs:.0f} ({theirs_all:.0f})", f"{ours / theirs:.2f}x", "<= 200" if name == "4L" else "")
         if wanted("long") and name != "12L":  # long completions: the context grows 4x as long over the rollout
+            # 4x and 1x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
+            # machine: a shared machine's drift between two rows timed minutes apart would move one share, not both
             n_prompts, samples = layouts[-1]
-            long_tokens = 4 * new_tokens
             prompts, now = random_prompts(n_prompts, prompt_len, c.vocab_size), measure_machine(quick)
-            ours = engine_tokens_per_s(model, prompts, samples, long_tokens, top_k)
-            ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, long_tokens, now)
-            add(f"{name} {n_prompts}x{samples}, {long_tokens} new tokens", f"{ours:,.0f} tok/s",
-                f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
-                f"{ours / ceiling:.0%}", f">= {name} {n_prompts}x{samples}'s share")
+            lengths, best = (new_tokens, 4 * new_tokens), {}
+            for _ in range(2):
+                for n in lengths:
+                    best[n] = max(best.get(n, 0), engine_tokens_per_s(model, prompts, samples, n, top_k))
+            share = {n: best[n] / ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, n, now) for n in lengths}
+            short, long = lengths
+            add(f"{name} {n_prompts}x{samples}, {long} new tokens", f"{best[long]:,.0f} tok/s, {share[long]:.0%} of its ceiling",
+                f"{short} new tokens, timed in turn: {best[short]:,.0f} tok/s, {share[short]:.0%} of its ceiling "
+                f"({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)", f"{share[long] / share[short]:.2f}x", ">= 1.00x")
         del hf
     if wanted("mixed"):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
