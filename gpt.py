@@ -138,7 +138,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk.split([H, self.n_kv_head], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
-            # k and v are slices of the fused projections: saved as they are for the backward pass, they would keep
+            # k and v are views into the fused projections: saved as they are for the backward pass, they would keep
             # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
             y = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         elif attn_mask is None:  # the cache knows where the keys are: a decode step (kv_cache.KVCache), SharedPrefix

@@ -354,7 +354,6 @@ def main(argv=None):
         add(f"log-prob pass peak, {tokens:,} tokens, vocab {vocab:,}, width {hidden}", f"+{chunked / 2**30:.2f} GiB chunked",
             f"+{unchunked / 2**30:.2f} GiB unchunked", f"{chunked / max(unchunked, 1):.2f}x", "<= 1.5 GB")
     if wanted("rlstep"):  # one whole RL step, 4L (tiny when quick)
-        now = measure_machine(quick)
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0)
         parts = bench_rl_step.step_parts(model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens)
         weights, attention = (parts[k] / parts["gemm_flops"] for k in ("weight_flops", "attention_flops"))
