@@ -11,6 +11,8 @@ chat_rl runs on CUDA; nothing is downloaded):
     rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
     profile          torch.profiler over a few decode steps: wall ms vs GPU-busy ms per step (launch-bound?)
     shared_loss      the shared-prompt loss (loss_pass.SharedPrefix, masked SDPA) against whole sequences, bf16 and fp32
+    fsdp_loss        the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the whole model in fp32
+    update           one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the matmul rate (target >= 75%)
     mixed            rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
     compile_samples  compile_decode=True gives the eager engine's samples (bf16: share of rows; fp32: all of them)
     compile_speed    compile_decode=True tokens/s on the rollout batch, against eager
@@ -19,8 +21,8 @@ the script ends with a markdown table and exits 1 if any check failed (a missed 
 reported, not failed). A time limit's SIGTERM cuts off the check under way and the table still prints;
 no check starts after --budget-s seconds (default 420). Expected wall time on an H200 (guessed: nothing here has run on one yet):
 model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
-shared_loss ~10 s, mixed ~10-30 s, compile_samples ~1-2.5 min (three compiles: bf16; fp32; fp32 on a compacted
-batch), compile_speed ~10-30 s (it reuses the bf16 graph): about 3-5 minutes in all.
+shared_loss ~10 s, fsdp_loss ~10 s, update ~10-20 s, mixed ~10-30 s, compile_samples ~1-2.5 min (three compiles: bf16; fp32; fp32 on a compacted
+batch), compile_speed ~10-30 s (it reuses the bf16 graph): about 3.5-5.5 minutes in all.
 """
 
 import argparse
@@ -43,7 +45,7 @@ from tools import bench_rollout
 from tools.bench_rl_step import SHAPES
 
 # compile last: its time on a GPU is the one nobody has measured, and a run cut off at the time limit keeps what came before
-CHECKS = ["env", "rollout", "profile", "shared_loss", "mixed", "compile_samples", "compile_speed"]
+CHECKS = ["env", "rollout", "profile", "shared_loss", "fsdp_loss", "update", "mixed", "compile_samples", "compile_speed"]
 BENCH_RL_STEP = "python -m tools.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
 
 
@@ -295,7 +297,8 @@ def loss_and_grad(s, model, sequences, masks, weights, shared, autocast):
         return nll
 
     nll, seconds = timed(s, run)
-    grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+    whole = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731 -- a sharded model's DTensor gradient
+    grad = torch.cat([whole(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
     return nll[targets >= 0].detach(), grad, seconds
 
 
@@ -324,6 +327,90 @@ def check_shared_loss(s):
         ok &= cosine >= 0.99 if name == "bf16" else (cosine >= 0.9999 and nll_diff <= 1e-3 and math.isfinite(nll_diff))
     model.zero_grad(set_to_none=True)
     return ("pass" if ok else "FAIL"), "; ".join(notes)
+
+
+def grad_agreement(nll, grad, ref_nll, ref_grad):
+    """(NLL max diff, gradient norm relative diff, gradient cosine) of one loss pass against a reference pass."""
+    a, b = ref_grad.double(), grad.double()
+    return float((nll - ref_nll).abs().max()), float((b.norm() - a.norm()).abs() / a.norm()), float(a @ b / (a.norm() * b.norm()))
+
+
+def check_fsdp_loss(s):
+    """--fsdp's loss pass (fsdp.prepare on one rank: on CUDA bf16 all-gathers and compute) against the whole model's in fp32."""
+    import copy
+    import tempfile
+
+    import torch.distributed as dist
+
+    import fsdp
+    model = model_of(s).train()
+    sequences, masks = loss_rollouts(s, model.config.vocab_size)
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)  # stand-in advantages
+    ref_nll, ref_grad, _ = loss_and_grad(s, model, sequences, masks, weights, True, nullcontext)
+    model.zero_grad(set_to_none=True)
+    started = not dist.is_initialized()
+    if started:  # one rank: FSDP's gathers, mixed precision and gradient reduction all run, over a group of one
+        store = tempfile.NamedTemporaryFile(prefix="gpu_check_store_", delete=False).name
+        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        sharded = fsdp.prepare(copy.deepcopy(model).cpu(), s.device, fsdp=True, activation_checkpointing=False)
+        assert all(hasattr(p, "full_tensor") for p in sharded.parameters()), "fsdp.prepare left parameters unsharded"
+        nll, grad, seconds = loss_and_grad(s, sharded, sequences, masks, weights, True, s.autocast)
+    finally:
+        if started:
+            dist.destroy_process_group()
+            os.remove(store)
+    nll_diff, norm_diff, cosine = grad_agreement(nll, grad, ref_nll, ref_grad)
+    precision = s.precisions[0][0]
+    note = (f"--fsdp {precision} against whole fp32: NLL max diff {nll_diff:.1e}, grad norm rel diff {norm_diff:.1e}, "
+            f"cosine {cosine:.6f} ({seconds * 1e3:.0f} ms)")
+    print(f"  {note}", flush=True)
+    # the direction and the size: a gradient summed or divided wrongly over the ranks keeps its direction
+    ok = (cosine >= 0.99 and norm_diff <= 0.02) if precision == "bf16" else (cosine >= 0.9999 and norm_diff <= 1e-4 and nll_diff <= 1e-3)
+    return ("pass" if ok else "FAIL"), note
+
+
+def check_update(s):
+    """
+    One RL update as chat_rl.train runs it (policy_gradient_backward, clipping, fused AdamW; lr 0, so the shared model
+    stays as it is) on the rollout batch's shape, every group live, against its FLOPs (bench_rl_step.update_work) at
+    this device's matmul rate, taken beside it by square matmuls in the update's precision as many FLOPs long.
+    """
+    import chat_rl
+    from tools.bench_rl_step import update_work
+    model = model_of(s).train()
+    vocab, rows = model.config.vocab_size, s.prompts * s.samples
+    tokens = torch.randint(0, vocab, (s.prompts, s.prompt_len + s.new_tokens), generator=torch.Generator().manual_seed(6))
+    sequences = [tokens[r // s.samples].tolist() for r in range(rows)]  # each prompt's samples share it whole: lengths alike
+    masks = [[0] * s.prompt_len + [1] * s.new_tokens] * rows
+    advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)  # half right in every group: every group carries gradient
+    defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
+    optimizer = chat_rl.adamw(model, 0.0, defaults["weight_decay"])
+
+    def update():
+        model.zero_grad(set_to_none=True)
+        loss, valid = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, defaults["device_batch_size"],
+                                                       defaults["loss_norm"], s.device, autocast=s.autocast(),
+                                                       device_batch_tokens=defaults["device_batch_tokens"])
+        chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), valid)
+
+    work = update_work(model.config, list(zip(sequences, masks)), s.samples)
+    n = 512 if s.quick else 8192
+    a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16 if s.cuda else torch.float32)
+    gemms = max(1, round((work["weight_flops"] + work["attention_flops"]) / (2 * n ** 3)))
+    seconds, gemm_seconds = math.inf, math.inf
+    for _ in range(2):  # the first warms up the allocator and the kernels; the faster of each kept
+        seconds = min(seconds, timed(s, update)[1])
+        gemm_seconds = min(gemm_seconds, timed(s, lambda: [a @ a for _ in range(gemms)])[1])
+    model.zero_grad(set_to_none=True)
+    del optimizer
+    rate = gemms * 2 * n ** 3 / gemm_seconds
+    floor = (work["weight_flops"] + work["attention_flops"]) / rate
+    share = floor / seconds
+    note = (f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rate beside it "
+            f"({rate / 1e12:.1f} TFLOP/s) {floor:.2f} s, attention {work['attention_flops'] / rate:.2f} s of it: {share:.0%} (target >= 75%)")
+    print(f"  {note}", flush=True)
+    return verdict(s, share >= 0.75), note
 
 
 # ---- the run --------------------------------------------------------------------------------------
