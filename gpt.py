@@ -127,7 +127,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
-        # split, not sliced: the backward pass of two slices fills two zero tensors the size of qkv, a split's joins once
+        # split, not sliced: the backward pass of two slices fills two zero tensors the size of qkv; a split's
+        # joins the pieces' gradients once
         qk, v = qkv.split([H + self.n_kv_head, self.n_kv_head], dim=2)
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
         if hasattr(self, "q_norm"):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
@@ -155,6 +156,33 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
+class SwiGLU(torch.autograd.Function):
+    """
+    silu(gate) * up of the fused (..., 2 * I) gate/up output, keeping that output alone for the backward pass.
+    Autograd's silu(gate) * up would keep silu(gate) as well, intermediate_size more values a token a layer (a
+    sixth of a Qwen2.5-0.5B layer's activations), and join the two halves' gradients with one more copy; here the
+    backward pass recomputes silu(gate) and writes each half's gradient into its place in one (..., 2 * I) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        gate_up, = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), grad, out=grad_up)
+        # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))), times grad * up: torch's own kernel for it
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_gate_up
+
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -165,31 +193,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(SwiGLU.apply(self.gate_up_proj(x)))
-
-
-class SwiGLU(torch.autograd.Function):
-    """
-    silu(gate) * up of the fused (..., 2 * I) gate/up output, keeping that output alone for the backward pass.
-    Autograd's silu(gate) * up would keep silu(gate) as well, I more numbers a token a layer (a sixth of a
-    Qwen2.5-0.5B layer's activations), and join the two halves' gradients with one more copy; here the backward
-    pass recomputes silu(gate) and writes each half's gradient into its place in one (..., 2 * I) tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, gate_up):
-        ctx.save_for_backward(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate_up, = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad_gate_up = torch.empty_like(gate_up)
-        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-        torch.mul(F.silu(gate), grad, out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        return grad_gate_up
 
 
 class Block(nn.Module):

@@ -152,7 +152,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
         work = update_work(c, kept, samples)
         # a square GEMM as many FLOPs long as the update, timed beside each try of it: on a shared machine the rate of
         # the same seconds, not of a quieter moment (a GEMM of a second or less reads the machine at its best)
-        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        a, b, c_out = torch.randn(2048, 2048), torch.randn(2048, 2048), torch.empty(2048, 2048)
         gemms = max(1, round((work["weight_flops"] + work["attention_flops"]) / (2 * 2048 ** 3)))
         # against the same update with every sequence run whole, one row each (the layout before prompts were
         # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
@@ -164,7 +164,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
             finally:
                 chat_rl.make_shared_batch = make_shared_batch
             shared = min(shared, update()[0])
-            gemm = min(gemm, best_of(lambda: [a @ b for _ in range(gemms)], 1))
+            gemm = min(gemm, best_of(lambda: [torch.mm(a, b, out=c_out) for _ in range(gemms)], 1))  # one output: no page faults
     finally:
         arith.grade = grade
     return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,

@@ -318,7 +318,7 @@ def main(argv=None):
             add(f"{name} {n_prompts}x{samples} decode step, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
                 f"transformers {theirs:.0f} ({theirs_all:.0f})", f"{ours / theirs:.2f}x", "<= 200" if name == "4L" else "")
         if wanted("long") and name != "12L":  # long completions: the context grows 4x as long over the rollout
-            # 4x and 1x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
+            # 1x and 4x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
             # machine: a shared machine's drift between two rows timed minutes apart would move one share, not both
             n_prompts, samples = layouts[-1]
             prompts, now = random_prompts(n_prompts, prompt_len, c.vocab_size), measure_machine(quick)

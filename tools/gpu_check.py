@@ -338,7 +338,6 @@ def grad_agreement(nll, grad, ref_nll, ref_grad):
 def check_fsdp_loss(s):
     """--fsdp's loss pass (fsdp.prepare on one rank: on CUDA bf16 all-gathers and compute) against the whole model's in fp32."""
     import copy
-    import tempfile
 
     import torch.distributed as dist
 
@@ -350,8 +349,7 @@ def check_fsdp_loss(s):
     model.zero_grad(set_to_none=True)
     started = not dist.is_initialized()
     if started:  # one rank: FSDP's gathers, mixed precision and gradient reduction all run, over a group of one
-        store = tempfile.NamedTemporaryFile(prefix="gpu_check_store_", delete=False).name
-        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group("nccl" if s.cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         sharded = fsdp.prepare(copy.deepcopy(model).cpu(), s.device, fsdp=True, activation_checkpointing=False)
         assert all(hasattr(p, "full_tensor") for p in sharded.parameters()), "fsdp.prepare left parameters unsharded"
@@ -359,7 +357,6 @@ def check_fsdp_loss(s):
     finally:
         if started:
             dist.destroy_process_group()
-            os.remove(store)
     nll_diff, norm_diff, cosine = grad_agreement(nll, grad, ref_nll, ref_grad)
     precision = s.precisions[0][0]
     note = (f"--fsdp {precision} against whole fp32: NLL max diff {nll_diff:.1e}, grad norm rel diff {norm_diff:.1e}, "
@@ -374,7 +371,9 @@ def check_update(s):
     """
     One RL update as chat_rl.train runs it (policy_gradient_backward, clipping, fused AdamW; lr 0, so the shared model
     stays as it is) on the rollout batch's shape, every group live, against its FLOPs (bench_rl_step.update_work) at
-    this device's matmul rate, taken beside it by square matmuls in the update's precision as many FLOPs long.
+    this device's matmul rates, taken beside it by square matmuls as many FLOPs long: the head's two gradient matmuls
+    at the fp32 rate (loss_pass.add_chunk_grads runs them in fp32), the rest at the rate of the update's precision.
+    Micro-batches of one group each (device_batch_size = samples), so that each prompt runs once, as update_work counts.
     """
     import chat_rl
     from tools.bench_rl_step import update_work
@@ -389,26 +388,30 @@ def check_update(s):
 
     def update():
         model.zero_grad(set_to_none=True)
-        loss, valid = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, defaults["device_batch_size"],
+        loss, valid = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, s.samples,
                                                        defaults["loss_norm"], s.device, autocast=s.autocast(),
                                                        device_batch_tokens=defaults["device_batch_tokens"])
         chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), valid)
 
-    work = update_work(model.config, list(zip(sequences, masks)), s.samples)
+    c = model.config
+    work = update_work(c, list(zip(sequences, masks)), s.samples)
+    fp32_flops = 4 * c.vocab_size * c.hidden_size * work["valid"]  # the head's gradient matmuls
+    flops = {"fp32": fp32_flops, s.precisions[0][0]: work["weight_flops"] + work["attention_flops"] - fp32_flops}
     n = 512 if s.quick else 8192
-    a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16 if s.cuda else torch.float32)
-    gemms = max(1, round((work["weight_flops"] + work["attention_flops"]) / (2 * n ** 3)))
-    seconds, gemm_seconds = math.inf, math.inf
+    seconds, rates = math.inf, {}
     for _ in range(2):  # the first warms up the allocator and the kernels; the faster of each kept
         seconds = min(seconds, timed(s, update)[1])
-        gemm_seconds = min(gemm_seconds, timed(s, lambda: [a @ a for _ in range(gemms)])[1])
+        for name, total in flops.items():
+            a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16 if name == "bf16" else torch.float32)
+            out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
+            rates[name] = max(rates.get(name, 0), gemms * 2 * n ** 3 / timed(s, lambda: [torch.mm(a, a, out=out) for _ in range(gemms)])[1])
     model.zero_grad(set_to_none=True)
-    del optimizer
-    rate = gemms * 2 * n ** 3 / gemm_seconds
-    floor = (work["weight_flops"] + work["attention_flops"]) / rate
+    optimizer.state.clear()  # AdamW's moments: 8 bytes a parameter, not needed by the checks after this one
+    floor = sum(total / rates[name] for name, total in flops.items())
     share = floor / seconds
-    note = (f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rate beside it "
-            f"({rate / 1e12:.1f} TFLOP/s) {floor:.2f} s, attention {work['attention_flops'] / rate:.2f} s of it: {share:.0%} (target >= 75%)")
+    note = (f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rates beside it ("
+            + ", ".join(f"{name} {rate / 1e12:.1f} TFLOP/s" for name, rate in rates.items())
+            + f") {floor:.2f} s: {share:.0%} (target >= 75%)")
     print(f"  {note}", flush=True)
     return verdict(s, share >= 0.75), note
 
