@@ -396,7 +396,8 @@ def check_update(s):
     c = model.config
     work = update_work(c, list(zip(sequences, masks)), s.samples)
     fp32_flops = 4 * c.vocab_size * c.hidden_size * work["valid"]  # the head's gradient matmuls
-    flops = {"fp32": fp32_flops, s.precisions[0][0]: work["weight_flops"] + work["attention_flops"] - fp32_flops}
+    flops = {s.precisions[0][0]: work["weight_flops"] + work["attention_flops"] - fp32_flops}
+    flops["fp32"] = flops.get("fp32", 0) + fp32_flops  # on the CPU everything is fp32
     n = 512 if s.quick else 8192
     seconds, rates = math.inf, {}
     for _ in range(2):  # the first warms up the allocator and the kernels; the faster of each kept
