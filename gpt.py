@@ -25,10 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from hf_folder import config_fields, read_json, resolve_folder, safetensors_files, umask, write_config
+from hf_folder import config_fields, read_json, read_weights, resolve_folder, write_config, write_weights
 from loss_pass import SharedPrefix, token_nll, weighted_nll
 
 
@@ -351,36 +348,9 @@ class GPT(nn.Module):
         config = config_from_hf(read_json(os.path.join(path, "config.json")))
         with torch.device("meta"):
             model = cls(config)
-        layout = {name: (own, rows) for name, own, rows in model.hf_layout()}
-        loaded = set()
-        for file in safetensors_files(path):
-            with safe_open(file, framework="pt") as f:  # memory-mapped: nothing is read until asked for
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
-                        continue  # recomputed / the same tensor as embed_tokens.weight
-                    if name not in layout:
-                        raise ValueError(f"{file} holds {name!r}, which this architecture does not have")
-                    own, rows = layout[name]
-                    param = model.get_parameter(own)
-                    expected = param.shape if rows is None else param[rows].shape
-                    tensor = f.get_tensor(name).to(device=device, dtype=dtype)
-                    if tensor.shape != expected:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}")
-                    module_name, _, attr = own.rpartition(".")
-                    if rows is None:
-                        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
-                    else:  # a part of a fused Linear (the others may come from another shard): its rows, in place
-                        if param.is_meta:
-                            param = nn.Parameter(torch.empty(param.shape, device=device, dtype=tensor.dtype))
-                            setattr(model.get_submodule(module_name), attr, param)
-                        with torch.no_grad():
-                            param[rows] = tensor
-                    loaded.add(name)
+        read_weights(model, path, device, dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight  # the tie broke when embed_tokens was replaced
-        missing = [name for name in layout if name not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
@@ -389,16 +359,9 @@ class GPT(nn.Module):
         Write a folder transformers (and vLLM) load as it is: config.json + model.safetensors in the
         dtype the model holds. The tokenizer's save_pretrained adds its files and generation_config.json.
         """
-        os.makedirs(path, exist_ok=True)
         # the checkpoints' names and shapes, the fused Linears split into their parts; the tied head is left out
         # (safetensors refuses one tensor under two names; the config says "tied")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
-        weights = os.path.join(path, "model.safetensors")
-        save_file(state, weights, metadata={"format": "pt"})  # "pt": what transformers expects
-        # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the
-        # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
-        # 022), or the other users of a shared machine could read the config but not the weights
-        os.chmod(weights, 0o666 & ~umask())
+        write_weights(path, {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()})
         write_config(path, self.config, self.model.embed_tokens.weight.dtype)
 
 

@@ -2,12 +2,18 @@
 Hugging Face folders, the format every checkpoint in and out of chat_rl has: a hub id
 ("Qwen/Qwen2.5-0.5B-Instruct") becomes a local folder (the model and the tokenizer loaders both ask
 here), fetching only what chat_rl reads; config.json maps to and from gpt.GPTConfig's fields; the
-weights are one model.safetensors or the shards an index names. Parameter names are the
-checkpoints' own, so a state_dict maps one-to-one onto the files.
+weights are one model.safetensors or the shards an index names, read tensor by tensor into a model
+built on the meta device (read_weights) and written back (write_weights). Checkpoint names map onto
+the model's parameters by gpt.GPT.hf_layout (q/k/v and gate/up are stored fused there).
 """
 
 import json
 import os
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 # what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
 # tokenizer, chat template, stop tokens (and the marker of a chat_rl byte-tokenizer folder); not *.bin,
@@ -41,6 +47,55 @@ def write_config(path, config, dtype):
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+
+
+def read_weights(model, path, device, dtype):
+    """
+    Each checkpoint tensor of folder `path` into `model` (built on the meta device: nothing allocated, nothing drawn),
+    read on its own from the memory-mapped file, converted to dtype (None: as stored), put on device and in place,
+    so the peak is the model plus one tensor. A fused Linear's part (model.hf_layout) goes into its rows. A tensor
+    the architecture lacks, a shape the config does not give or a tensor the files lack fails in one line.
+    """
+    tied = model.config.tie_word_embeddings
+    layout = {name: (own, rows) for name, own, rows in model.hf_layout()}
+    loaded = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:  # memory-mapped: nothing is read until asked for
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
+                    continue  # recomputed / the same tensor as embed_tokens.weight
+                if name not in layout:
+                    raise ValueError(f"{file} holds {name!r}, which this architecture does not have")
+                own, rows = layout[name]
+                param = model.get_parameter(own)
+                expected = param.shape if rows is None else param[rows].shape
+                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                if tensor.shape != expected:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}")
+                module_name, _, attr = own.rpartition(".")
+                if rows is None:
+                    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
+                else:  # a part of a fused Linear (the others may come from another shard): its rows, in place
+                    if param.is_meta:
+                        param = nn.Parameter(torch.empty(param.shape, device=device, dtype=tensor.dtype))
+                        setattr(model.get_submodule(module_name), attr, param)
+                    with torch.no_grad():
+                        param[rows] = tensor
+                loaded.add(name)
+    missing = [name for name in layout if name not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def write_weights(path, state):
+    """model.safetensors in folder `path` (made if missing) from {checkpoint name: CPU tensor}."""
+    os.makedirs(path, exist_ok=True)
+    weights = os.path.join(path, "model.safetensors")
+    save_file(state, weights, metadata={"format": "pt"})  # "pt": what transformers expects
+    # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the
+    # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
+    # 022), or the other users of a shared machine could read the config but not the weights
+    os.chmod(weights, 0o666 & ~umask())
 
 
 def safetensors_files(path):
