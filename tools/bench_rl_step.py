@@ -10,8 +10,8 @@ columns (the sampler's softmax over a real 152k vocabulary is a small share of a
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
-step_parts: one step in its parts (rollout, reward, update), the update's FLOPs, the GEMM rate beside it and its
-matmuls' floor, bench_rollout's RL-step rows.
+step_parts: one step in its parts (rollout, reward, update), the update against its FLOPs at the GEMM rate beside it
+(update_against_floor, which gpu_check's update check shares) and against its matmuls alone, bench_rollout's RL-step rows.
 """
 
 import argparse
@@ -138,38 +138,60 @@ def step_parts(model, n_prompts, samples, new_tokens):
         advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
 
         def update():  # the loss's forward and backward passes, clipping and an AdamW step, as chat_rl.train runs them
-            t0 = time.perf_counter()
             model.zero_grad(set_to_none=True)
             loss, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
                                                            defaults["loss_norm"], "cpu",
                                                            device_batch_tokens=defaults["device_batch_tokens"])
             chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
-            return time.perf_counter() - t0, valid
+
+        def update_whole():  # the same with every sequence run whole, one row each (the layout before prompts were shared)
+            make_shared_batch = chat_rl.make_shared_batch
+            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
+            try:
+                update()
+            finally:
+                chat_rl.make_shared_batch = make_shared_batch
 
         c = model.config
         kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
                 if a > 0]
         work = update_work(c, kept, samples)
-        # a square GEMM as many FLOPs long as the update, timed beside each try of it: on a shared machine the rate of
-        # the same seconds, not of a quieter moment (a GEMM of a second or less reads the machine at its best)
-        a, b, c_out = torch.randn(2048, 2048), torch.randn(2048, 2048), torch.empty(2048, 2048)
-        gemms = max(1, round((work["weight_flops"] + work["attention_flops"]) / (2 * 2048 ** 3)))
-        # against the same update with every sequence run whole, one row each (the layout before prompts were
-        # shared); each twice, alternating, the faster of the two kept (the first backward pass warms the allocator)
-        make_shared_batch, shared, whole, gemm = chat_rl.make_shared_batch, math.inf, math.inf, math.inf
-        for _ in range(2):
-            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
-            try:
-                whole = min(whole, update()[0])
-            finally:
-                chat_rl.make_shared_batch = make_shared_batch
-            shared = min(shared, update()[0])
-            gemm = min(gemm, best_of(lambda: [torch.mm(a, b, out=c_out) for _ in range(gemms)], 1))  # one output: no page faults
+        whole = best_of(update_whole, 2)  # twice, the faster kept: the first backward pass warms the allocator
+        shared, floor, rates = update_against_floor(update, work, torch.device("cpu"), torch.float32)
     finally:
         arith.grade = grade
     return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, gemm_flops=gemms * 2 * 2048 ** 3 / gemm,
+                update_whole=whole, update_floor=floor, gemm_flops=rates[torch.float32],
                 update_matmuls=update_matmul_seconds(c, work["positions"], work["valid"]), **work)
+
+
+def update_against_floor(update, work, device, dtype, n=2048, tries=2):
+    """
+    (seconds of update(), the faster of `tries`; seconds of its FLOPs, update_work's `work`, at this device's matmul
+    rates; {dtype: FLOP/s}). The rates are taken beside each try, by square (n, n) matmuls as many FLOPs long into one
+    output (fresh outputs would cost page faults): on a shared machine the rate of the same seconds, not of a quieter
+    moment (a second of matmuls reads the machine at its best). The head's two gradient matmuls run in fp32
+    (loss_pass.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype, the update's precision.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def seconds_of(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    flops = {dtype: work["weight_flops"] + work["attention_flops"] - work["head_grad_flops"]}
+    flops[torch.float32] = flops.get(torch.float32, 0) + work["head_grad_flops"]  # one entry when dtype is fp32
+    seconds, rates = math.inf, {}
+    for _ in range(tries):
+        seconds = min(seconds, seconds_of(update))
+        for kind, total in flops.items():
+            a = torch.randn(n, n, device=device, dtype=kind)
+            out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
+            rates[kind] = max(rates.get(kind, 0), gemms * 2 * n ** 3 / seconds_of(lambda: [torch.mm(a, a, out=out) for _ in range(gemms)]))
+    return seconds, sum(total / rates[kind] for kind, total in flops.items()), rates
 
 
 def update_work(c, kept, samples):
@@ -179,7 +201,7 @@ def update_work(c, kept, samples):
     last token on) and each group's prompt less its last token once. Weights: 2 FLOPs a weight a position forward, 4
     backward. Attention: q.k and p.v, 4 x heads x head_dim a (query, key) pair and layer forward, twice that backward;
     an own position sees the prefix and the own positions up to it, a prefix position the prefix up to it. Also the
-    positions the layers run and the tokens the head projects (valid).
+    positions the layers run, the tokens the head projects (valid) and the FLOPs of the head's two gradient matmuls.
     """
     own = [(sum(m), len(s) - sum(m) - 1) for s, m in kept]  # (own positions, prefix length) a row
     positions = sum(n for n, _ in own) + sum(p for _, p in own[::samples])
@@ -188,7 +210,8 @@ def update_work(c, kept, samples):
                                   + 3 * c.hidden_size * c.intermediate_size)
     valid = sum(sum(m[1:]) for _, m in kept)
     return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid, positions=positions, valid=valid,
-                attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs)
+                attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs,
+                head_grad_flops=4 * c.vocab_size * c.hidden_size * valid)
 
 
 if __name__ == "__main__":

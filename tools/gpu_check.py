@@ -314,11 +314,8 @@ def check_shared_loss(s):
                 results[shared] = loss_and_grad(s, model, sequences, masks, weights, shared, autocast)
         (nll, grad, whole_s), (shared_nll, shared_grad, shared_s) = results[False], results[True]
         assert nll.shape == shared_nll.shape, f"{nll.numel()} targets whole, {shared_nll.numel()} shared"
-        nll_diff = float((shared_nll - nll).abs().max())
-        a, b = grad.double(), shared_grad.double()
-        norm_diff = float((b.norm() - a.norm()).abs() / a.norm())
-        cosine = float(a @ b / (a.norm() * b.norm()))
-        del results, grad, shared_grad, a, b
+        nll_diff, norm_diff, cosine = grad_agreement(shared_nll, shared_grad, nll, grad)
+        del results, grad, shared_grad
         note = (f"{name}: NLL max diff {nll_diff:.1e} (mean NLL {float(nll.mean()):.2f}), grad norm rel diff {norm_diff:.1e}, "
                 f"cosine {cosine:.6f}, shared/whole time {shared_s * 1e3:.0f}/{whole_s * 1e3:.0f} ms = {shared_s / whole_s:.2f}x")
         print(f"  {note} ({len(sequences)} rows, {nll.numel()} targets)", flush=True)
@@ -371,12 +368,11 @@ def check_update(s):
     """
     One RL update as chat_rl.train runs it (policy_gradient_backward, clipping, fused AdamW; lr 0, so the shared model
     stays as it is) on the rollout batch's shape, every group live, against its FLOPs (bench_rl_step.update_work) at
-    this device's matmul rates, taken beside it by square matmuls as many FLOPs long: the head's two gradient matmuls
-    at the fp32 rate (loss_pass.add_chunk_grads runs them in fp32), the rest at the rate of the update's precision.
+    this device's matmul rates taken beside it (bench_rl_step.update_against_floor, as bench_rollout's RL-step row).
     Micro-batches of one group each (device_batch_size = samples), so that each prompt runs once, as update_work counts.
     """
     import chat_rl
-    from tools.bench_rl_step import update_work
+    from tools.bench_rl_step import update_against_floor, update_work
     model = model_of(s).train()
     vocab, rows = model.config.vocab_size, s.prompts * s.samples
     tokens = torch.randint(0, vocab, (s.prompts, s.prompt_len + s.new_tokens), generator=torch.Generator().manual_seed(6))
@@ -393,25 +389,14 @@ def check_update(s):
                                                        device_batch_tokens=defaults["device_batch_tokens"])
         chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), valid)
 
-    c = model.config
-    work = update_work(c, list(zip(sequences, masks)), s.samples)
-    fp32_flops = 4 * c.vocab_size * c.hidden_size * work["valid"]  # the head's gradient matmuls
-    flops = {s.precisions[0][0]: work["weight_flops"] + work["attention_flops"] - fp32_flops}
-    flops["fp32"] = flops.get("fp32", 0) + fp32_flops  # on the CPU everything is fp32
-    n = 512 if s.quick else 8192
-    seconds, rates = math.inf, {}
-    for _ in range(2):  # the first warms up the allocator and the kernels; the faster of each kept
-        seconds = min(seconds, timed(s, update)[1])
-        for name, total in flops.items():
-            a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16 if name == "bf16" else torch.float32)
-            out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
-            rates[name] = max(rates.get(name, 0), gemms * 2 * n ** 3 / timed(s, lambda: [torch.mm(a, a, out=out) for _ in range(gemms)])[1])
+    work = update_work(model.config, list(zip(sequences, masks)), s.samples)
+    seconds, floor, rates = update_against_floor(update, work, s.device, torch.bfloat16 if s.cuda else torch.float32,
+                                                 n=512 if s.quick else 8192)
     model.zero_grad(set_to_none=True)
     optimizer.state.clear()  # AdamW's moments: 8 bytes a parameter, not needed by the checks after this one
-    floor = sum(total / rates[name] for name, total in flops.items())
     share = floor / seconds
     note = (f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rates beside it ("
-            + ", ".join(f"{name} {rate / 1e12:.1f} TFLOP/s" for name, rate in rates.items())
+            + ", ".join(f"{str(kind).removeprefix('torch.')} {rate / 1e12:.1f} TFLOP/s" for kind, rate in rates.items())
             + f") {floor:.2f} s: {share:.0%} (target >= 75%)")
     print(f"  {note}", flush=True)
     return verdict(s, share >= 0.75), note
