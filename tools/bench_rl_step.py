@@ -107,11 +107,11 @@ def best_of(fn, tries):
     return best
 
 
-# ---- the machine ----------------------------------------------------------------------------
 def step_parts(model, n_prompts, samples, new_tokens):
     """
     Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
-    chat_rl on the arith task, the update's FLOPs and the seconds of its weight matmuls alone
+    chat_rl on the arith task; the update's FLOPs (update_work), their seconds at the GEMM rate beside it
+    (update_against_floor), the update with every sequence whole, and its weight matmuls alone
     (update_matmul_seconds). A random model's answers are never right, so the verifier is a coin flip
     (coin_flip_grade): every group then has signal to train on.
     """
