@@ -56,20 +56,20 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import fsdp
-from distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
+from plumbing import checkpoint
+from plumbing import fsdp
+from plumbing.distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
 from calculator import calculate
 from engine import Engine
-from flags import ConfigError, RunError, check_config, parse_config
-from loss_pass import first_target, make_shared_batch, micro_batches
-from metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
+from plumbing.flags import ConfigError, RunError, check_config, parse_config
+from fast.logprobs import first_target, make_shared_batch, micro_batches
+from plumbing.metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
 from tasks.common import conversation, get_task, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
 # What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and the one
 # --preset=demo takes (the offline demo on one CPU; demo_model/ is the 0.8M-parameter model shipped
-# with the repository, made by tools/make_demo_model.py). Edit the column of the run you launch.
+# with the repository, made by scripts/make_demo_model.py). Edit the column of the run you launch.
 # Each name is also a flag, with - for _ (--num-samples=8 or --num-samples 8), which wins over
 # both columns; `--help` prints the table.
 HYPERPARAMETERS = dict(
@@ -87,7 +87,6 @@ HYPERPARAMETERS = dict(
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
-    compile_decode=     (False,                         False,         "torch.compile the decode step (CUDA: untested, see README)"),
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
@@ -213,7 +212,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # a group's rows side by side (they share one prompt pass: make_shared_batch), groups of similar prompt
     # length and rows of similar length together (less padding)
     keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
-    # sampled tokens that are targets: mask[1:], as in loss_pass.make_batch (position 0 is never a target)
+    # sampled tokens that are targets: mask[1:], as in logprobs.make_batch (position 0 is never a target)
     local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
     normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
@@ -308,7 +307,7 @@ def train(cfg, rank, world, device):
     # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
     model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
-    engine = Engine(model, tokenizer, compile_decode=cfg.compile_decode, tool=calculate if cfg.tool == "calculator" else None)
+    engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
     optimizer = adamw(model, cfg.lr, cfg.weight_decay)
     if state:
         checkpoint.restore(state, model, optimizer, rank)

@@ -24,16 +24,13 @@ in the last bit with the batch's size, as any batched matmul's do; where that cr
 between two tokens, the draw differs.) Cost: one softmax pass over the vocabulary, not one random
 number per (row, vocabulary entry) as the Gumbel-max trick needs.
 
-The KV cache, and how the model talks to it, are in kv_cache.py; the compiled decode step
-(compile_decode=True) is in compiled_decode.py.
+The KV cache, and how the model talks to it, are in fast/kv_cache.py.
 """
-
-import functools
 
 import torch
 
-from kv_cache import KVCache
-from tool_calls import ToolCalls, call_tables
+from fast.kv_cache import KVCache
+from fast.tool_calls import ToolCalls, call_tables
 
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
 ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time (8 MB in fp32)
@@ -147,23 +144,15 @@ class Engine:
         its rows has finished; 0 = as soon as one has, None = never. A compaction copies running rows from
         the back into finished rows' slots, at most min(finished, running) rows and only their written own
         slots (compaction_moves), while shrinking the batch by 1/8 saves 1/8 of every later step.
-    compile_decode: torch.compile the decode step, for CUDA, where per-step Python and kernel launches
-        dominate (compiled_decode.py). Off by default until a GPU run shows it gives the same samples
-        faster; on a CPU compiling costs about a minute per batch size and gains nothing.
     tool: a function from an expression to its result text or None (calculator.calculate), called when a
         row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
         None: no tool, and a row that writes `<<` is sampled like any other.
     """
 
-    def __init__(self, model, tokenizer, compact_at=0.125, compile_decode=False, tool=None):
+    def __init__(self, model, tokenizer, compact_at=0.125, tool=None):
         self.model = model
         self.tokenizer = tokenizer
         self.compact_at = compact_at
-        self.compile_decode = compile_decode
-        self.decode_step, self.cache_class = decode_step, KVCache
-        if compile_decode:  # a compiled step on a cache of static shapes, a handful of batch sizes (compiled_decode.py)
-            import compiled_decode
-            self.decode_step, self.cache_class = torch.compile(compiled_decode.decode_step, dynamic=True), compiled_decode.StaticKVCache
         self.tool = tool
         self.tool_tables = None  # tool_calls.call_tables of the tokenizer, built at the first call
         self.tool_calls, self.tool_errors = [], []  # per row of the last generate_batch: calls made, and of them refused
@@ -181,7 +170,7 @@ class Engine:
         ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
         pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
         rope = model.rope(torch.arange(T + max_tokens, device=device)[None])[0, 0]  # (max_len, D/2, 2)
-        cache = self.cache_class(model.config.num_hidden_layers, pad, max_tokens, rope)
+        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, rope)
         logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
         cache.share(num_samples)                    # its keys serve all its samples
         return logits.repeat_interleave(num_samples, dim=0), cache
@@ -203,10 +192,6 @@ class Engine:
         vocab = self.tokenizer.vocab_size  # a model's embedding table may be padded past it: those rows are not tokens
         logits, cache = self.prefill(prompts, num_samples, max_tokens)
         B = logits.size(0)
-        step = self.decode_step
-        if self.compile_decode:  # the Linears' autocast copies, made once for the call
-            from compiled_decode import autocast_weights, batch_size_bucket, with_finished_padding
-            step = functools.partial(step, weights=autocast_weights(model))
         u = torch.rand(B, max_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
         out = torch.zeros(max_tokens, B, dtype=torch.long, device=device)  # out[t, b]: original row b's token at step t
         row_ids = torch.arange(B, device=device)  # original index of each row in the batch, in batch order
@@ -236,18 +221,16 @@ class Engine:
                     tools.answer(t, called, row_ids, out)
             if n_finished == n_rows or t == max_tokens - 1:
                 break
-            n_running = n_rows - n_finished  # a compaction keeps them (compiled: padded to one of a few batch sizes)
-            n_keep = batch_size_bucket(n_running, B) if self.compile_decode else n_running
-            if self.compact_at is not None and n_finished > 0 and n_finished >= self.compact_at * n_rows and n_keep < n_rows:
+            n_keep = n_rows - n_finished  # a compaction keeps the running rows
+            if self.compact_at is not None and n_finished > 0 and n_finished >= self.compact_at * n_rows:
                 lengths.index_copy_(0, row_ids, stop_step)  # finished rows leave: record their lengths first
-                keep = stop_step == max_tokens  # the running rows, and under compile_decode finished ones to fill the size
-                keep = keep if n_keep == n_running else with_finished_padding(keep, n_running, n_keep)
+                keep = stop_step == max_tokens  # the running rows
                 holes, fillers, order = compaction_moves(keep, n_keep)
                 row_ids, stop_step, token, u = row_ids[order], stop_step[order], token[order], u[:, order]
                 cache.keep_rows(holes, fillers, row_ids, written=t)  # tokens 0..t-1 are in; token t is fed next
                 if tools is not None:
                     tools.keep_rows(order)
-            logits = step(model, token, cache)
+            logits = decode_step(model, token, cache)
         lengths.index_copy_(0, row_ids, stop_step)
 
         out, lengths = out.T.tolist(), lengths.tolist()

@@ -18,7 +18,7 @@ the error carried through to a wrong final answer; `solution_with_tool` writes e
 calculator call (`<<4*5=20>>`), whose result the engine computes. Supervised on a mix of the three,
 a tiny model becomes competent but unreliable when sampled, and uses the calculator now and then:
 exactly the starting point where RL with a verifier has signal to work with (see
-tools/make_demo_model.py).
+scripts/make_demo_model.py).
 """
 
 import hashlib

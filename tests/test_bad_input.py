@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import chat_rl
-import flags
-import checkpoint
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from plumbing import flags
+from plumbing import checkpoint
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1)

@@ -1,9 +1,9 @@
-"""tools/bench_rollout.py on tiny shapes: every row of its table still runs and reports real figures
+"""scripts/bench_rollout.py on tiny shapes: every row of its table still runs and reports real figures
 (the full run takes ~10 minutes)."""
 
 import re
 
-from tools import bench_rollout
+from scripts import bench_rollout
 
 ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode step, top-k 0", "64 new tokens", "mixed lengths",
         "sampling", "log-prob pass peak", "RL step", "update against its own matmuls", "each prompt run once", "calculator on, demo model, as it starts",

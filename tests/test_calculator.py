@@ -72,7 +72,7 @@ def test_deep_but_allowed_nesting_still_evaluates():
 
 
 def test_check_calculator_counts_agreement_over_a_release_file(tmp_path, capsys):
-    from tools.check_calculator import main
+    from scripts.check_calculator import main
     rows = [{"question": "q", "answer": "48/2 = <<48/2=24>>24 and <<10/3=3.33>>3.33\n#### 27"},
             {"question": "q", "answer": "<<560//10=56>>56 then <<2*3=7>>7\n#### 7"}]  # floor division, a wrong annotation
     path = tmp_path / "train.jsonl"

@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import chat_rl
-from distributed import sync_gradients
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from plumbing.distributed import sync_gradients
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 NUM_SAMPLES, DEVICE_BATCH_SIZE = 2, 3
 CONFIG = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -95,7 +95,8 @@ def test_a_rank_with_no_live_groups_does_not_hang_and_stays_in_sync(tmp_path):
 RUNNER = r"""
 import json, os, sys
 import torch
-import chat_rl, checkpoint
+import chat_rl
+from plumbing import checkpoint
 rank, dump = os.environ["RANK"], os.environ["DUMP_DIR"]
 rollout, evaluate, save = chat_rl.rollout, chat_rl.evaluate, checkpoint.save
 trained_on, evaluating = [], []

@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # checkpoint of step KILL_AFTER is complete on every rank, as a preempted node would die
 RUNNER = r"""
 import os, signal, sys
-import checkpoint, chat_rl
+import chat_rl
+from plumbing import checkpoint
 kill_after = int(os.environ["KILL_AFTER"])
 save = checkpoint.save
 def hooked(cfg, step, *args, **kwargs):

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from compiled_decode import autocast_weights, decode_step
 from engine import Engine, KVCache, compaction_moves
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 STOP = 260  # <|assistant_end|> of the byte tokenizer
 
@@ -180,51 +179,6 @@ def test_top_k_sampling_stays_within_the_top_k(model):
         for t in range(mask.index(1), len(seq)):
             logits = model(torch.tensor([seq[:t]]))[0, -1, :NoStopTokenizer().vocab_size]
             assert logits[seq[t]] >= torch.topk(logits, 3).values[-1]
-
-
-def test_compiled_decode_step_gives_the_same_samples_on_a_few_batch_sizes_compiled_once_each(model):
-    # torch.compile of the decode step over the static-shape KV cache, batch shrinking as rows stop: a compaction keeps
-    # the live rows padded with finished ones to one of a few sizes (6 rows: 6, 4, 2, 1), and each size is compiled
-    # once, so a rollout makes a handful of graphs. About 20 s with inductor's caches warm, a few minutes cold, on 2 CPU cores.
-    from torch._dynamo.utils import counters
-    stopper = NoStopTokenizer()
-    stopper.stop_tokens = {100, 160}  # two of the tokens this model samples most here: 3 of the 6 rows stop, at steps 0, 1, 14
-    kw = dict(num_samples=3, max_tokens=16, temperature=1.5, seed=2)
-    engine = Engine(model, stopper, compact_at=0.0, compile_decode=True)
-    compiled_step, sizes = engine.decode_step, []
-    engine.decode_step = lambda m, token, cache, weights: sizes.append(token.size(0)) or compiled_step(m, token, cache, weights)
-    graphs = counters["stats"]["unique_graphs"]
-    compiled, _ = engine.generate_batch(PROMPTS[:2], **kw)
-    graphs = counters["stats"]["unique_graphs"] - graphs
-    eager, masks = Engine(model, stopper).generate_batch(PROMPTS[:2], **kw)
-    print(f"compiled decode step: batch sizes {sorted(set(sizes), reverse=True)} in {len(sizes)} steps, {graphs} graphs compiled")
-    assert compiled == eager
-    assert min(sum(m) for m in masks) < 16  # some row stopped early: the compiled step ran on a shrunk batch
-    assert set(sizes) <= {6, 4, 2, 1} and len(set(sizes)) >= 2  # compactions to the sizes, not to the live counts
-    assert graphs <= len(set(sizes))
-
-
-def test_autocast_weights_are_autocasts_own_casts_and_change_no_logit():
-    # what the compiled decode step gets in place of the fp32 Linears under autocast: the same bf16 values
-    # autocast makes, so a decode step with them gives the eager step's logits exactly; the embedding stays fp32
-    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True)
-    model = GPT(config).init_weights(5).eval()
-    assert autocast_weights(model) == {}  # no autocast: nothing to stand in
-    logits = {}
-    for use in (False, True):
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            weights = autocast_weights(model) if use else {}
-            cache = KVCache(config.num_hidden_layers, torch.tensor([0, 1]), 4, model.rope(torch.arange(8)[None])[0, 0])
-            model(torch.tensor([[5, 6, 7], [0, 8, 9]]), kv_cache=cache)  # the prefill: bias rows 1's first slot as padding
-            cache.share(2)
-            logits[use] = decode_step(model, torch.tensor([1, 2, 3, 4]), cache, weights)
-        if use:
-            linears = {n for n, p in model.named_parameters(remove_duplicate=False)
-                       if isinstance(model.get_submodule(n.rsplit(".", 1)[0]), torch.nn.Linear)}
-            assert set(weights) == linears and "lm_head.weight" in weights  # every Linear, the tied head included
-            assert all(w.dtype == torch.bfloat16 for w in weights.values())
-    assert torch.equal(logits[True], logits[False])
 
 
 def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_step(model):

@@ -7,7 +7,7 @@ import torch
 import chat_rl
 from tasks import arith
 from tasks.common import conversation
-from tokenizer import ByteTokenizer
+from policy.tokenizer import ByteTokenizer
 
 K = 4
 RIGHT = [0, 1, 2, 4]

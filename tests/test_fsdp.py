@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import chat_rl
-import checkpoint
-import flags
-import fsdp
+from plumbing import checkpoint
+from plumbing import flags
+from plumbing import fsdp
 from engine import Engine
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_SAMPLES = 2
@@ -230,7 +230,8 @@ ARGS = ["--preset=demo", "--device-type=cpu", "--num-steps=4", "--examples-per-s
 # calls MetricsLog.write; only rank 0 writes), as a node that dies mid-run
 RUNNER = r"""
 import os, signal, sys
-import chat_rl, metrics
+import chat_rl
+from plumbing import metrics
 kill_at, write = int(os.environ["KILL_AT"]), metrics.MetricsLog.write
 def hooked(self, row, samples=()):
     write(self, row, samples)

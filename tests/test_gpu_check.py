@@ -1,8 +1,7 @@
-"""tools/gpu_check.py on tiny CPU shapes: every check still runs end to end, so that the command meant for a GPU
-has run before it first meets one. The compile checks are left out (torch.compile takes ~30 s here; run them with
-python -m tools.gpu_check --quick --device-type=cpu --only=compile)."""
+"""scripts/gpu_check.py on tiny CPU shapes: every check still runs end to end, so that the command meant for a GPU
+has run before it first meets one."""
 
-from tools import gpu_check
+from scripts import gpu_check
 
 
 def test_quick_cpu_run_passes_every_check(capsys):
@@ -12,5 +11,4 @@ def test_quick_cpu_run_passes_every_check(capsys):
     rows = {cell[0].strip("| "): cell[1] for cell in cells}
     assert list(rows) == gpu_check.CHECKS
     for check, result in rows.items():
-        expected = ("skipped",) if check.startswith("compile") else ("pass", "ran (CPU)")
-        assert result in expected, (check, result)
+        assert result in ("pass", "ran (CPU)"), (check, result)

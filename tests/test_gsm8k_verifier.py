@@ -249,7 +249,7 @@ def test_fuzz_a_hedge_pays_for_neither_answer_and_the_first_marker_binds(a, b):
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():
-    from tools.bench_verifiers import adversarial_cases
+    from scripts.bench_verifiers import adversarial_cases
     for name, task, completion, reference in adversarial_cases():
         if task is gsm8k:
             assert gsm8k.grade(completion, reference) is False, name

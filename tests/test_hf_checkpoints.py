@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 
 import chat_rl
-import checkpoint
-import flags
+from plumbing import checkpoint
+from plumbing import flags
 from engine import Engine
-from gpt import GPT, GPTConfig, config_from_hf
-from tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from policy.gpt import GPT, GPTConfig, config_from_hf
+from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gpt import GPT, GPTConfig
+from policy.gpt import GPT, GPTConfig
 
 
 def small_model():

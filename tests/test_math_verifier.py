@@ -506,7 +506,7 @@ def test_fuzz_a_hedge_pays_for_neither_answer(a, b):
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():
-    from tools.bench_verifiers import adversarial_cases
+    from scripts.bench_verifiers import adversarial_cases
     for name, task, completion, reference in adversarial_cases():
         if task is mathtask:
             assert isinstance(mathtask.grade(completion, reference), bool), name
@@ -612,7 +612,7 @@ def test_a_starved_worker_is_waited_for(monkeypatch):
 
 
 def test_math_verify_regression_cases_give_no_false_pass_and_only_accepted_false_fails():
-    from tools.check_math_verify_cases import CASES, check
+    from scripts.check_math_verify_cases import CASES, check
     with open(CASES, encoding="utf-8") as f:
         cases = json.load(f)["cases"]
     agree, false_pass, accepted, other = check(cases)

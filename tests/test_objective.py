@@ -14,12 +14,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import chat_rl
-import checkpoint
-import flags
-import gpt
-import loss_pass
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from plumbing import checkpoint
+from plumbing import flags
+from policy import gpt
+from fast import logprobs
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 V, T = 48, 0.7
 NORMS = ("kept_tokens", "all_tokens", "sequence")
@@ -90,7 +90,7 @@ def kept_rows(advantages):
 
 def reference_backward(model, sequences, masks, advantages, loss_norm, temperature):
     """The loss written out over every row, the unanimous groups' included, each sequence whole."""
-    inputs, targets = loss_pass.make_batch(sequences, masks, "cpu")
+    inputs, targets = logprobs.make_batch(sequences, masks, "cpu")
     logp = direct_logp(model, inputs, targets, temperature)
     tokens = (targets >= 0).sum(dim=1)
     kept = kept_rows(advantages)

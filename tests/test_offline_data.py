@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETRIES_TAKE_S = 24  # what datasets' own retries took before it gave up

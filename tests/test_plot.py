@@ -1,4 +1,4 @@
-"""python -m tools.plot draws a run's metrics.jsonl into a PNG, torn last lines and all."""
+"""python -m scripts.plot draws a run's metrics.jsonl into a PNG, torn last lines and all."""
 
 import json
 import os
@@ -23,7 +23,7 @@ def write_run(folder, steps=4, greedy=True):
 
 
 def plot_command(*args):
-    return subprocess.run([sys.executable, "-m", "tools.plot", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "scripts.plot", *map(str, args)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
 
 
@@ -44,7 +44,7 @@ def test_plot_out_names_the_file(tmp_path):
 
 
 def test_plot_panels(tmp_path):
-    from tools.plot import figure
+    from scripts.plot import figure
     fig = figure([write_run(tmp_path / "a"), write_run(tmp_path / "b", greedy=False)])
     reward, passk, _, truncated = fig.axes
     for ax in fig.axes:  # a 4-step run: ticks at whole steps only, not 0.5, 1.5, ...
@@ -87,11 +87,11 @@ def test_plot_of_no_run_says_what_is_missing_in_one_line(tmp_path, make, message
 
 def test_plot_without_arguments_prints_its_usage():
     result = plot_command()
-    assert result.returncode != 0 and result.stderr.startswith("usage: python -m tools.plot")
+    assert result.returncode != 0 and result.stderr.startswith("usage: python -m scripts.plot")
 
 
 def test_plot_draws_tool_use_beside_truncation_when_rows_carry_it(tmp_path):
-    from tools.plot import figure
+    from scripts.plot import figure
     run = write_run(tmp_path / "a")
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:  # after the torn line: a run resumed, now with the tool
         f.write("\n" + "\n".join(json.dumps({"step": s, "reward": 0.9, "seq_len": 30, "truncated": 0.0, "tool_use": s / 10})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpt import GPT
+from policy.gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s"}  # wall-clock, the only values allowed to differ
@@ -19,7 +19,8 @@ TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s"}  # wall-clock, the only va
 # before the rename that makes it visible ("save").
 RUNNER = r"""
 import os, signal, sys
-import chat_rl, metrics
+import chat_rl
+from plumbing import metrics
 where, at, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
 if where == "metrics":
     write = metrics.MetricsLog.write

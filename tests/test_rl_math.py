@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import chat_rl
-import loss_pass
-from flags import RunError
-from gpt import GPT, GPTConfig
-from metrics import check_nonfinite
+from fast import logprobs
+from plumbing.flags import RunError
+from policy.gpt import GPT, GPTConfig
+from plumbing.metrics import check_nonfinite
 
 
 class LinearNLLModel(torch.nn.Module):
@@ -114,7 +114,7 @@ def test_remainder_rows_get_their_own_micro_batch():
 
 
 def test_targets_exclude_prompt_and_padding_tokens():
-    inputs, targets = loss_pass.make_batch([[5, 6, 7, 8], [5, 9]], [[0, 0, 1, 1], [0, 1]], "cpu")
+    inputs, targets = logprobs.make_batch([[5, 6, 7, 8], [5, 9]], [[0, 0, 1, 1], [0, 1]], "cpu")
     # row 0: inputs 5 6 7 predict 6 (prompt: -1), 7, 8; row 1: input 5 predicts 9, then padding
     assert inputs.tolist() == [[5, 6, 7], [5, 0, 0]]
     assert targets.tolist() == [[-1, 7, 8], [9, -1, -1]]
@@ -147,7 +147,7 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     ([2, 50, 3], 8, 10, [[0], [1], [2]]),                 # a row past the budget still gets its own batch
 ])
 def test_micro_batches_respect_rows_and_padded_tokens(lengths, max_rows, max_tokens, expected):
-    assert loss_pass.micro_batches(lengths, max_rows, max_tokens) == expected
+    assert logprobs.micro_batches(lengths, max_rows, max_tokens) == expected
 
 
 def test_token_budget_does_not_change_the_loss_or_gradient():

@@ -4,7 +4,7 @@ and that each completion is scored against its own problem."""
 import pytest
 
 import chat_rl
-import checkpoint
+from plumbing import checkpoint
 from engine import Engine
 from tasks import arith
 from tasks.common import conversation

@@ -11,11 +11,11 @@ import sys
 import torch
 
 import chat_rl
-import checkpoint
-import flags
-from gpt import GPT, GPTConfig
-from metrics import MetricsLog, console_line, stop_line
-from tokenizer import ByteTokenizer
+from plumbing import checkpoint
+from plumbing import flags
+from policy.gpt import GPT, GPTConfig
+from plumbing.metrics import MetricsLog, console_line, stop_line
+from policy.tokenizer import ByteTokenizer
 
 TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1)

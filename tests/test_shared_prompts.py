@@ -1,6 +1,6 @@
 """
 The loss's forward pass runs each distinct prompt once for all the samples that share it
-(loss_pass.make_shared_batch + loss_pass.SharedPrefix): same per-token NLL and same gradients as running
+(logprobs.make_shared_batch + logprobs.SharedPrefix): same per-token NLL and same gradients as running
 every sequence whole, for each model family's switches, with activation checkpointing, with prompts
 of different lengths, and with a prompt of one token (an empty prefix); and the prompt's tokens go
 through the model once per micro-batch, not once per sample.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import chat_rl
-import loss_pass
-from gpt import GPT, GPTConfig
+from fast import logprobs
+from policy.gpt import GPT, GPTConfig
 
 FAMILIES = {
     "llama (GQA, tied head)": dict(),
@@ -48,13 +48,13 @@ def rollouts(num_prompts=3, num_samples=4, seed=0):
 
 def plain_nll(model, sequences, masks):
     """Every sequence whole, one row each: per row, the NLL of each sampled token in order."""
-    inputs, targets = loss_pass.make_batch(sequences, masks, "cpu")
+    inputs, targets = logprobs.make_batch(sequences, masks, "cpu")
     nll = model(inputs, targets, loss_reduction="none")
     return [nll[i][targets[i] >= 0] for i in range(len(sequences))]
 
 
 def shared_nll(model, sequences, masks):
-    prefix, inputs, targets = loss_pass.make_shared_batch(sequences, masks, "cpu")
+    prefix, inputs, targets = logprobs.make_shared_batch(sequences, masks, "cpu")
     nll = model(inputs, targets, loss_reduction="none", prefix=prefix)
     return [nll[i][targets[i] >= 0] for i in range(len(sequences))]
 
@@ -84,7 +84,7 @@ def test_shared_batch_layout_by_hand():
     # rows 0 and 1 share prompt [5, 6, 7]; row 2 has prompt [5] (an empty prefix); row 3 has no sampled token
     sequences = [[5, 6, 7, 8, 9], [5, 6, 7, 4], [5, 3], [1, 2]]
     masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 1], [0, 0]]
-    (ids, lengths, row_prefix), inputs, targets = loss_pass.make_shared_batch(sequences, masks, "cpu")
+    (ids, lengths, row_prefix), inputs, targets = logprobs.make_shared_batch(sequences, masks, "cpu")
     assert ids.tolist() == [[5, 6], [0, 0]] and lengths.tolist() == [2, 0]  # prefixes: [5, 6] and [] (twice)
     assert row_prefix.tolist() == [0, 0, 1, 1]
     # each row starts at its prompt's last token, which predicts the first sampled one
@@ -153,7 +153,7 @@ def test_the_loss_and_gradients_match_whole_sequences_on_random_edge_cases(trial
         model = model_for(family, seed=trial)
         model.checkpoint_layers = trial % 2 == 1
         if layout == "whole":
-            monkeypatch.setattr(chat_rl, "make_shared_batch", lambda s, m, d: (None, *loss_pass.make_batch(s, m, d)))
+            monkeypatch.setattr(chat_rl, "make_shared_batch", lambda s, m, d: (None, *logprobs.make_batch(s, m, d)))
         loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, **args)
         monkeypatch.undo()
         results.append((loss, tokens, {n: p.grad for n, p in model.named_parameters()}))

@@ -8,9 +8,9 @@ import types
 import pytest
 
 import chat_rl
-from gpt import GPT, GPTConfig
+from policy.gpt import GPT, GPTConfig
 from tasks.common import get_task
-from tokenizer import ByteTokenizer
+from policy.tokenizer import ByteTokenizer
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",

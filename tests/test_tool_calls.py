@@ -9,9 +9,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from calculator import calculate
 from engine import Engine
-from gpt import GPT, GPTConfig
-from tokenizer import ByteTokenizer, load_tokenizer
-from tool_calls import IN, LT, OUT, _run
+from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer, load_tokenizer
+from fast.tool_calls import IN, LT, OUT, _run
 
 STOP = 260  # <|assistant_end|> of the byte tokenizer
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import chat_rl
-import checkpoint
-import flags
+from plumbing import checkpoint
+from plumbing import flags
 import test_hf_checkpoints as hf_ckpt  # a module object, so pytest does not collect its tests twice
 from engine import Engine
-from gpt import GPT, GPTConfig
+from policy.gpt import GPT, GPTConfig
 from tasks import gsm8k
-from tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # The byte tokenizer (the demo's) as a standard Hugging Face tokenizer: tokenizer.json + chat template.
@@ -42,7 +42,7 @@ def test_byte_tokenizer_json_gives_the_same_ids(tmp_path):
     import random
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import AutoTokenizer
-    from tokenizer import BYTE_CHARS, SPECIAL_TOKENS
+    from policy.tokenizer import BYTE_CHARS, SPECIAL_TOKENS
     assert sorted(BYTE_CHARS.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())  # GPT-2's table, as the library has it
     ours = ByteTokenizer()
     ours.save_pretrained(tmp_path)

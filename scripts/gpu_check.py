@@ -1,30 +1,26 @@
 """
 What chat_rl does on a CUDA GPU, checked in one command: the one to run first on a new GPU or a new torch.
 
-    python -m tools.gpu_check 2>&1 | tee gpu_check.txt          # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
-    python -m tools.gpu_check --quick --device-type=cpu          # the same checks on tiny shapes, ~5 s on 2 CPU cores
-    python -m tools.gpu_check --only=rollout,compile             # some checks only (names below; a prefix selects several)
+    python -m scripts.gpu_check 2>&1 | tee gpu_check.txt          # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
+    python -m scripts.gpu_check --quick --device-type=cpu          # the same checks on tiny shapes, ~5 s on 2 CPU cores
+    python -m scripts.gpu_check --only=rollout,shared_loss         # some checks only (names below; a prefix selects several)
 
 Checks (a model of the Qwen2.5-0.5B shape with random weights, fp32 weights under bf16 autocast, as
 chat_rl runs on CUDA; nothing is downloaded):
     env              device, torch, CUDA, bf16 support
     rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
     profile          torch.profiler over a few decode steps: wall ms vs GPU-busy ms per step (launch-bound?)
-    shared_loss      the shared-prompt loss (loss_pass.SharedPrefix, masked SDPA) against whole sequences, bf16 and fp32
+    shared_loss      the shared-prompt loss (logprobs.SharedPrefix, masked SDPA) against whole sequences, bf16 and fp32
     fsdp_loss        the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the whole model in fp32
     update           one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the matmul rate (target >= 75%)
-(shared_loss, fsdp_loss and update, the training pass's checks, are in tools/gpu_check_training.py.)
+(shared_loss, fsdp_loss and update, the training pass's checks, are in scripts/gpu_check_training.py.)
     mixed            rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
-    compile_samples  compile_decode=True gives the eager engine's samples (bf16: share of rows; fp32: all of them)
-    compile_speed    compile_decode=True tokens/s on the rollout batch, against eager
 Each check runs in its own try/except: a failure prints its one-line error and the next check runs;
 the script ends with a markdown table and exits 1 if any check failed (a missed speed target is
 reported, not failed). A time limit's SIGTERM cuts off the check under way and the table still prints;
 no check starts after --budget-s seconds (default 420). Expected wall time on an H200 (guessed: nothing here has run on one yet):
 model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
-shared_loss ~10 s, fsdp_loss ~10 s, update ~10-20 s, mixed ~10-30 s, compile_samples ~1-2.5 min (three
-compiles: bf16; fp32; fp32 on a compacted batch), compile_speed ~10-30 s (it reuses the bf16 graph):
-about 3.5-5.5 minutes in all.
+shared_loss ~10 s, fsdp_loss ~10 s, update ~10-20 s, mixed ~10-30 s: about 1.5-3 minutes in all.
 """
 
 import argparse
@@ -34,19 +30,16 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 
-from compiled_decode import autocast_weights, decode_step
 from engine import Engine
-from gpt import GPT, GPTConfig
-from tools import bench_rollout
-from tools.bench_rl_step import SHAPES
-from tools.gpu_check_training import check_fsdp_loss, check_shared_loss, check_update
+from policy.gpt import GPT, GPTConfig
+from scripts import bench_rollout
+from scripts.bench_rl_step import SHAPES
+from scripts.gpu_check_training import check_fsdp_loss, check_shared_loss, check_update
 
-# compile last: its time on a GPU is the one nobody has measured, and a run cut off at the time limit keeps what came before
-BENCH_RL_STEP = "python -m tools.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
+BENCH_RL_STEP = "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
 
 
 class OutOfTime(BaseException):  # not an Exception: no library's `except Exception` swallows it
@@ -66,7 +59,6 @@ class Setup:
         # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each (mixed: stops from min_len)
         self.prompts, self.samples, self.prompt_len, self.new_tokens, self.min_len = (4, 4, 16, 32, 4) if quick else (16, 16, 128, 256, 16)
         self.profile_tokens = 4 if quick else 8
-        self.compile_tokens = 8 if quick else 32  # compile_samples: the rollout batch, this many new tokens
         # shared_loss: prompts x samples rows, prompt lengths and completion lengths drawn from these ranges
         self.loss_batch = (3, 3, (4, 12), (2, 16)) if quick else (4, 4, (64, 128), (32, 256))
         # weights stay fp32 and the matmuls run in bf16 on CUDA (chat_rl's setup); on CPU fp32 (bf16 there is slow)
@@ -98,19 +90,6 @@ class Setup:
         return ("pass" if met else "below target") if self.cuda else "ran (CPU)"  # the speed targets are an H200's
 
 
-def first_difference(a, b):
-    """Index of the first token where lists a and b differ (the shorter one's end if one is a prefix of the other), None if equal."""
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return None if a == b else i
-
-
-def compare_samples(ours, reference, prompt_len):
-    """(rows identical, rows, first step where any row differs or None) of two generate_batch outputs."""
-    diffs = [first_difference(a[prompt_len:], b[prompt_len:]) for a, b in zip(ours, reference)]
-    differing = [d for d in diffs if d is not None]
-    return len(diffs) - len(differing), len(diffs), min(differing, default=None)
-
-
 # ---- the checks: each returns (result, note) or raises --------------------------------------------
 def check_env(s):
     print(f"  torch {torch.__version__}, python {sys.version.split()[0]}, {torch.get_num_threads()} CPU threads")
@@ -120,7 +99,7 @@ def check_env(s):
     bf16 = torch.cuda.is_bf16_supported()
     note = (f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}, bf16 {'yes' if bf16 else 'NO'}")
-    # TF32 would loosen the fp32 comparisons below (compile_samples, shared_loss); PyTorch's default is off
+    # TF32 would loosen the fp32 comparisons of shared_loss; PyTorch's default is off
     print(f"  {note}; TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}")
     return ("pass" if bf16 else "FAIL"), note
 
@@ -134,11 +113,10 @@ def check_rollout(s):
         (_, warm) = s.timed(lambda: engine.generate_batch(prompts, s.samples, max(2, s.new_tokens // 8), 1.0, None, seed=0))
         if s.cuda:
             torch.cuda.reset_peak_memory_stats()
-        (sequences, masks), seconds = s.timed(lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1))
+        (_, masks), seconds = s.timed(lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1))
     rows = s.prompts * s.samples
     assert sum(map(sum, masks)) == rows * s.new_tokens, "rows without stop tokens stopped early"
     tok_s = rows * s.new_tokens / seconds
-    s.eager = SimpleNamespace(tok_s=tok_s, sequences=sequences)  # compile_speed compares with these
     peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if s.cuda else ""
     note = f"{tok_s:,.0f} tok/s ({rows} rows x {s.new_tokens} tokens in {seconds:.2f} s{peak}; warm-up {warm:.1f} s)"
     print("  " + note)
@@ -186,73 +164,6 @@ def check_profile(s):
     return "pass", note
 
 
-def teacher_forced_logits_diff(engine, prompts, samples, steps):
-    """
-    Max |logits| difference between the engine's compiled decode step and the eager one over `steps` steps, both
-    fed the same random tokens on caches of the same prefill: how far apart the two steps' numbers are, which
-    sampled tokens cannot show (a last-bit difference flips a draw now and then on a near-uniform 152k vocabulary).
-    """
-    model = engine.model
-    caches = [engine.prefill(prompts, samples, steps)[1] for _ in range(2)]  # static caches: the compiled step's kind
-    weights = autocast_weights(model)
-    tokens = torch.randint(0, model.config.vocab_size, (steps, len(prompts) * samples), generator=torch.Generator().manual_seed(6))
-    worst = 0.0
-    for token in tokens.to(model.lm_head.weight.device):
-        eager = decode_step(model, token, caches[0], weights)
-        ours = engine.decode_step(model, token, caches[1], weights)
-        worst = max(worst, float((ours.float() - eager.float()).abs().max()))
-    return worst
-
-
-def check_compile_samples(s):
-    model = s.model()
-    vocab = model.config.vocab_size
-    # the rollout batch (so compile_speed reuses this check's graph: compiling a 0.5B decode step takes minutes), fewer tokens
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab, seed=2)
-    kw = dict(num_samples=s.samples, max_tokens=s.compile_tokens, temperature=1.0, seed=3)
-    notes, ok = [], True
-    for name, autocast in s.precisions:
-        # fp32 also with stops: a stop token every 16 ids, so with a random model's near-uniform logits ~6% of rows
-        # stop per step and the batch shrinks (compact_at=0: at every stop); the compiled step then runs on
-        # compacted caches too (one more compile, so bf16 keeps to the graph compile_speed needs)
-        tok = bench_rollout.Tokenizer(vocab, set(range(0, vocab, 16)) if name == "fp32" else ())
-        compiled_engine = Engine(model, tok, compact_at=0.0, compile_decode=True)
-        with torch.no_grad(), autocast():
-            eager, masks = Engine(model, tok, compact_at=0.0).generate_batch(prompts, **kw)
-            (compiled, _), first = s.timed(lambda: compiled_engine.generate_batch(prompts, **kw))
-            diff = teacher_forced_logits_diff(compiled_engine, prompts, s.samples, 4)
-        same, rows, step = compare_samples(compiled, eager, s.prompt_len)
-        stopped = sum(sum(m) < s.compile_tokens for m in masks)
-        # the verdict is on the logits: fp32 kernels that fuse differently still agree to ~1e-5; bf16 to ~1e-2
-        bound = 1e-3 if name == "fp32" else 0.25
-        note = (f"{name}: logits within {diff:.1e} of eager (bound {bound:g}); samples: {same}/{rows} rows identical"
-                + (f", first difference at step {step}" if step is not None else ""))
-        print(f"  {note} ({s.compile_tokens} tokens, {stopped} rows stopped early; first compiled call {first:.1f} s, "
-              f"compiling included)", flush=True)
-        notes.append(note + (f" ({stopped} rows stopped)" if stopped else ""))
-        ok &= diff <= bound
-    return ("pass" if ok else "FAIL"), "; ".join(notes)
-
-
-def check_compile_speed(s):
-    model = s.model()
-    if getattr(s, "eager", None) is None:  # --only without rollout: measure the eager engine here
-        check_rollout(s)
-    vocab = model.config.vocab_size
-    engine = Engine(model, bench_rollout.Tokenizer(vocab), compile_decode=True)
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
-    call = lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1)  # noqa: E731
-    with s.autocast():
-        _, first = s.timed(call)  # the same shapes as the timed call: it compiles whatever that one needs
-        (sequences, _), seconds = s.timed(call)
-    tok_s = s.prompts * s.samples * s.new_tokens / seconds
-    same, rows, _ = compare_samples(sequences, s.eager.sequences, s.prompt_len)
-    note = (f"{tok_s:,.0f} tok/s compiled vs {s.eager.tok_s:,.0f} eager: {tok_s / s.eager.tok_s:.2f}x; "
-            f"first call {first:.1f} s (compiles what compile_samples did not); {same}/{rows} rows as eager")
-    print("  " + note)
-    return s.verdict(tok_s > s.eager.tok_s), note
-
-
 def check_mixed(s):
     model = s.model()
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
@@ -278,10 +189,9 @@ def error_line(e):
     return f"{type(e).__name__}: {message}{at}"
 
 
-# every check in the order they run: the engine's, the training pass's (tools/gpu_check_training.py), then the compiled path
+# every check in the order they run: the engine's, then the training pass's (scripts/gpu_check_training.py)
 CHECK_FUNCTIONS = dict(env=check_env, rollout=check_rollout, profile=check_profile, shared_loss=check_shared_loss,
-                       fsdp_loss=check_fsdp_loss, update=check_update, mixed=check_mixed, compile_samples=check_compile_samples,
-                       compile_speed=check_compile_speed)
+                       fsdp_loss=check_fsdp_loss, update=check_update, mixed=check_mixed)
 CHECKS = list(CHECK_FUNCTIONS)
 
 
@@ -289,7 +199,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="the GPU checks, one report (see the docstring)")
     p.add_argument("--device-type", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds")
-    p.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several: compile)")
+    p.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several)")
     p.add_argument("--budget-s", type=float, default=420, help="start no check after this many seconds (the table still prints)")
     args = p.parse_args(argv)
     only = [w for w in args.only.split(",") if w]
@@ -312,11 +222,6 @@ def main(argv=None):
             rows.append((name, "skipped", "not started: " + (f"past --budget-s={args.budget_s:g}" if time.time() - started > args.budget_s
                                                              else "an earlier check was cut off")))
             continue
-        if name.startswith("compile") and not s.cuda and not only:
-            note = "torch.compile takes about a minute on a small CPU: --only=compile runs it"
-            print(f"\n== {name}: skipped ({note})")
-            rows.append((name, "skipped", note))
-            continue
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
         try:
@@ -331,7 +236,7 @@ def main(argv=None):
         seconds = time.perf_counter() - t0
         print(f"  [{name}: {result}, {seconds:.1f} s]", flush=True)
         rows.append((name, result, f"{note} ({seconds:.0f} s)"))
-    print(f"\n`python -m tools.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
+    print(f"\n`python -m scripts.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
           f"{' --only=' + args.only if args.only else ''}`: {time.time() - started:.0f} s in all\n")
     print("| check | result | note |\n| --- | --- | --- |")
     for row in rows:

@@ -3,8 +3,8 @@ Rollout benchmark: the engine against transformers `generate` on the same weight
 machine's measured ceiling, and the pieces around it (batches that shrink, full-vocabulary sampling,
 the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded.
 
-    python -m tools.bench_rollout           # one table, about 7 minutes on 2 CPU cores
-    python -m tools.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
+    python -m scripts.bench_rollout           # one table, about 7 minutes on 2 CPU cores
+    python -m scripts.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
 
 Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
 next to each run, best of several tries: the machine is shared), counting
@@ -13,7 +13,7 @@ next to each run, best of several tries: the machine is shared), counting
 with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
 rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine reaches it.
 The same ceiling for completions 4x as long (512 new tokens), and the ATen operations one decode step
-dispatches, the engine's and transformers' on the same batch (tools/op_count.py): on a GPU each is at least
+dispatches, the engine's and transformers' on the same batch (scripts/op_count.py): on a GPU each is at least
 one kernel launch, which at RL's small per-row work is what a decode step costs.
 """
 
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from engine import Engine, compaction_moves, decode_step, sample_next_token
-from gpt import GPT, GPTConfig
-from tools import bench_memory, bench_rl_step, op_count
-from tools.bench_rl_step import best_of
+from policy.gpt import GPT, GPTConfig
+from scripts import bench_memory, bench_rl_step, op_count
+from scripts.bench_rl_step import best_of
 
 QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
 CONFIGS = {
@@ -245,7 +245,7 @@ def tool_overhead(quick, tries):
     calls, answering them, feeding the forced tokens. Returns (calls per row, tool-on tok/s, tool-off tok/s).
     """
     from calculator import calculate
-    from checkpoint import load_policy
+    from plumbing.checkpoint import load_policy
     from tasks import arith
     from tasks.common import conversation
     model, tokenizer = load_policy("demo_model", "cpu")
@@ -372,7 +372,7 @@ def main(argv=None):
 
 
 def print_table(lines, quick, started, machine):
-    print(f"\n`python -m tools.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"\n`python -m scripts.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{(time.time() - started) / 60:.1f} min; at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
           f"read {machine.read_bytes / 1e9:.1f} GB/s\n")
     header = ("case", "engine", "compared with", "ratio", "target")

@@ -1,5 +1,5 @@
 """
-Plot a run: python -m tools.plot <out_dir> [more out_dirs ...] [--out=file.png]
+Plot a run: python -m scripts.plot <out_dir> [more out_dirs ...] [--out=file.png]
 
 Four panels against step: mean train reward (faint per step, with its running mean over SMOOTH
 steps drawn solid), held-out pass@1 (solid), the largest pass@k logged (dashed) and greedy accuracy
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-USAGE = "usage: python -m tools.plot <out_dir> [<out_dir> ...] [--out=file.png]"
+USAGE = "usage: python -m scripts.plot <out_dir> [<out_dir> ...] [--out=file.png]"
 SMOOTH = 20  # steps in the running mean of the train reward: one step's reward (16 problems) is noisy
 
 

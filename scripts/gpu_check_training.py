@@ -1,5 +1,5 @@
 """
-gpu_check's checks of the training pass (python -m tools.gpu_check runs them with the engine's): the shared-prompt
+gpu_check's checks of the training pass (python -m scripts.gpu_check runs them with the engine's): the shared-prompt
 loss against whole sequences, --fsdp's against the whole model, and one RL update against its FLOPs at the device's
 matmul rates. Each takes gpu_check.Setup (device, batch shapes, the shared random model, its clock) and returns
 (result, note) or raises.
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import chat_rl
-import fsdp
-import loss_pass
-from tools.bench_rl_step import update_against_floor, update_work
+from plumbing import fsdp
+from fast import logprobs
+from scripts.bench_rl_step import update_against_floor, update_work
 
 
 def loss_rollouts(s, vocab):
@@ -36,10 +36,10 @@ def loss_rollouts(s, vocab):
 def loss_and_grad(s, model, sequences, masks, weights, shared, autocast):
     """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and the seconds of forward + backward."""
     model.zero_grad(set_to_none=True)
-    if shared:  # chat_rl's layout: each prompt once (loss_pass.SharedPrefix)
-        prefix, inputs, targets = loss_pass.make_shared_batch(sequences, masks, s.device)
+    if shared:  # chat_rl's layout: each prompt once (logprobs.SharedPrefix)
+        prefix, inputs, targets = logprobs.make_shared_batch(sequences, masks, s.device)
     else:  # every sequence whole, one row each
-        prefix, (inputs, targets) = None, loss_pass.make_batch(sequences, masks, s.device)
+        prefix, (inputs, targets) = None, logprobs.make_batch(sequences, masks, s.device)
 
     def run():
         with autocast():  # as policy_gradient_backward calls it

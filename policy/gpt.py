@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from hf_folder import config_fields, read_json, read_weights, resolve_folder, write_config, write_weights
-from loss_pass import SharedPrefix, token_nll, weighted_nll
+from policy.hf_folder import config_fields, read_json, read_weights, resolve_folder, write_config, write_weights
+from fast.logprobs import SharedPrefix, token_nll, weighted_nll
 
 
 @dataclass
@@ -279,12 +279,12 @@ class GPT(nn.Module):
         or logits (B, T, V) when targets is None.
         prefix: (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for training on samples that share
         prompts: idx then holds each row's own part only, and row b continues prefix row_prefix[b] at
-        position lengths[row_prefix[b]] (see loss_pass.SharedPrefix); each prefix runs once. Needs targets.
-        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see loss_pass.token_nll).
+        position lengths[row_prefix[b]] (see logprobs.SharedPrefix); each prefix runs once. Needs targets.
+        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see logprobs.token_nll).
         temperature: with targets, the NLL is of softmax(logits / temperature), the distribution RL's rollouts
         sampled from; supervised training keeps 1.
         token_weights: (B, T) with targets: returns sum of token_weights * NLL over the valid tokens instead, its
-        gradients made in the same pass over the logits (loss_pass.weighted_nll: the backward projects nothing again).
+        gradients made in the same pass over the logits (logprobs.weighted_nll: the backward projects nothing again).
         """
         if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
             assert targets is not None and kv_cache is None, "prefix is for the training loss"

@@ -14,8 +14,8 @@ to find that strategy and make it the policy's first choice: RL with a verifier 
 its teacher, and better at its best answer, not only at sampling it. The results are masked out of
 the loss, as RL's forced tokens are: the model learns to call the tool, not to be it.
 
-    python -m tools.make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
-    python -m tools.make_demo_model --seed=1 --out=/tmp/m
+    python -m scripts.make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
+    python -m scripts.make_demo_model --seed=1 --out=/tmp/m
 
 demo_model/ ships with the repository; this rebuilds it (chat_rl stops with this command if it is missing).
 """
@@ -29,11 +29,11 @@ import torch
 from tqdm import tqdm
 
 from calculator import calculate
-from loss_pass import make_batch
-from gpt import GPT, GPTConfig
+from fast.logprobs import make_batch
+from policy.gpt import GPT, GPTConfig
 from tasks import arith
 from tasks.common import conversation
-from tokenizer import ByteTokenizer
+from policy.tokenizer import ByteTokenizer
 
 # ---- hyperparameters -----------------------------------------------------------------------
 CONFIG = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,

@@ -2,8 +2,8 @@
 Benchmark of whole RL steps (rollout + reward + backward + AdamW) on a model of a real shape with
 random weights, so it needs no download. Prints a table of step time, rollout tokens/s and peak memory.
 
-    python -m tools.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
-    python -m tools.bench_rl_step --shape=demo --device-type=cpu
+    python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
+    python -m scripts.bench_rl_step --shape=demo --device-type=cpu
 
 The model's weights are random and its tokenizer is the byte tokenizer: sampling covers those 261
 columns (the sampler's softmax over a real 152k vocabulary is a small share of a decode step; the
@@ -26,12 +26,12 @@ import time
 import torch
 
 import chat_rl
-import loss_pass
+from fast import logprobs
 from engine import Engine
-from tools import make_demo_model
-from gpt import GPT, GPTConfig
+from scripts import make_demo_model
+from policy.gpt import GPT, GPTConfig
 from tasks import arith
-from tokenizer import ByteTokenizer
+from policy.tokenizer import ByteTokenizer
 
 SHAPES = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -146,7 +146,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
 
         def update_whole():  # the same with every sequence run whole, one row each (the layout before prompts were shared)
             make_shared_batch = chat_rl.make_shared_batch
-            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *loss_pass.make_batch(seqs, masks, device))
+            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *logprobs.make_batch(seqs, masks, device))
             try:
                 update()
             finally:
@@ -171,7 +171,7 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
     rates; {dtype: FLOP/s}). The rates are taken beside each try, by square (n, n) matmuls as many FLOPs long into one
     output (fresh outputs would cost page faults): on a shared machine the rate of the same seconds, not of a quieter
     moment (a second of matmuls reads the machine at its best). The head's two gradient matmuls run in fp32
-    (loss_pass.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype, the update's precision.
+    (logprobs.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype, the update's precision.
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from distributed import all_reduce_sum
-from flags import RunError
+from plumbing.distributed import all_reduce_sum
+from plumbing.flags import RunError
 
 # train-row means over every completion of every rank: metric name -> per-row list of rollout()
 MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",

@@ -26,7 +26,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # templates from the hub are untrusted code
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from hf_folder import resolve_folder
+from policy.hf_folder import resolve_folder
 
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 

@@ -31,7 +31,7 @@ def setup_distributed(device_type, fsdp=False):
         # torchrun --max-restarts keeps one key-value store across the restarts of a group, and the
         # old group's rank addresses are still in it: a restarted rank can read a dead peer's address
         # and fail ("connectFullMesh failed ... Connection refused", 4 of 6 tries in
-        # tools/repro_gloo_restart.py) or wait on it. Each restart therefore gets keys of its own.
+        # scripts/repro_gloo_restart.py) or wait on it. Each restart therefore gets keys of its own.
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,

@@ -22,18 +22,18 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-import fsdp
-from distributed import is_sharded
-from flags import ConfigError, RunError
-from gpt import GPT
-from tokenizer import load_tokenizer
+from plumbing import fsdp
+from plumbing.distributed import is_sharded
+from plumbing.flags import ConfigError, RunError
+from policy.gpt import GPT
+from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
 # (--fsdp and --activation-checkpointing change where the memory goes, not the step's arithmetic)
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
-              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing", "compile_decode"}
+              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing"}
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above plumbing/
 
 
 def load_policy(path, device):
@@ -42,7 +42,7 @@ def load_policy(path, device):
         path = os.path.join(REPO, "demo_model")
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
-                           f"or rebuild it with `python -m tools.make_demo_model` (about 20 minutes)")
+                           f"or rebuild it with `python -m scripts.make_demo_model` (about 20 minutes)")
     try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
         return GPT.from_pretrained(path, device=device), load_tokenizer(path)
     except (OSError, ValueError) as e:

@@ -1,5 +1,5 @@
 """
-Time the verifiers on the worst inputs we can construct: python -m tools.bench_verifiers [--repeat=3]
+Time the verifiers on the worst inputs we can construct: python -m scripts.bench_verifiers [--repeat=3]
 
 Prints one row per input: the verdict and the max wall seconds over the repeats (target <= 1 s),
 then a row for the MATH sympy worker's start-up (paid once per process, and again after a

@@ -1,8 +1,8 @@
 """
 Memory of a training micro-batch, with and without --activation-checkpointing.
 
-    python -m tools.bench_memory                # peak of one forward+backward, 12-layer config, on this CPU
-    python -m tools.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 7B shapes
+    python -m scripts.bench_memory                # peak of one forward+backward, 12-layer config, on this CPU
+    python -m scripts.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 7B shapes
 
 Peak (the default): a 12-layer model (width 768, SwiGLU 2048, 12 heads over 4 KV heads, vocabulary
 32768, tied head: 101M parameters) runs one forward+backward of the per-token NLL that chat_rl's loss
@@ -22,8 +22,8 @@ FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kerne
 row, not the T x T attention matrix, so the count scales with tokens. The README's memory table is
 built from these figures.
 
-Log-prob pass (a row of tools/bench_rollout.py's table): the peak of forward + backward of lm_head and
-the NLL alone, chunked as RL's loss runs it (loss_pass.weighted_nll) or all logits at once.
+Log-prob pass (a row of scripts/bench_rollout.py's table): the peak of forward + backward of lm_head and
+the NLL alone, chunked as RL's loss runs it (logprobs.weighted_nll) or all logits at once.
 """
 
 import argparse
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-import loss_pass
-from gpt import GPT, GPTConfig
+from fast import logprobs
+from policy.gpt import GPT, GPTConfig
 
 TWELVE_LAYERS = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
@@ -109,7 +109,7 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
         f.write("5")  # reset VmHWM to the current resident size
     before = resident_kb("VmRSS")
     if kind == "chunked":  # what RL's loss does (GPT.forward with token_weights)
-        loss = loss_pass.weighted_nll(h, weight, targets, torch.full((tokens,), 1.0 / tokens), max(1, 2 ** 24 // vocab))
+        loss = logprobs.weighted_nll(h, weight, targets, torch.full((tokens,), 1.0 / tokens), max(1, 2 ** 24 // vocab))
     else:  # the previous way: all (tokens, vocab) logits at once
         loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets)
     loss.backward()
@@ -117,8 +117,8 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
 
 
 def logprob_peak(kind, tokens, hidden, vocab):
-    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (loss_pass.weighted_nll) or "unchunked"."""
-    out = subprocess.run([sys.executable, "-m", "tools.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
+    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (logprobs.weighted_nll) or "unchunked"."""
+    out = subprocess.run([sys.executable, "-m", "scripts.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return int(out.stdout.split()[-1])
 
@@ -129,7 +129,7 @@ def peak(rows, tokens):
     print(f"{'activation checkpointing':<26} {'resident before MiB':>20} {'pass peak above it MiB':>23} "
           f"{'saved for backward MiB':>23} {'pass s':>7}")
     for checkpointing in (False, True):
-        out = subprocess.run([sys.executable, "-m", "tools.bench_memory", "--worker", str(int(checkpointing)),
+        out = subprocess.run([sys.executable, "-m", "scripts.bench_memory", "--worker", str(int(checkpointing)),
                               f"--rows={rows}", f"--tokens={tokens}"], capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} {r['pass_peak_mib']:>23.0f} "

@@ -1,9 +1,9 @@
 """
 How often the MATH verifier agrees with Math-Verify's own regression cases:
-    python -m tools.check_math_verify_cases [--all]
+    python -m scripts.check_math_verify_cases [--all]
 
 Math-Verify is the library our equivalence layer builds on, and its test suite pins down, case by
-case, what a grader should say about answers that real models wrote. tools/math_verify_cases.json
+case, what a grader should say about answers that real models wrote. scripts/math_verify_cases.json
 holds the boxed ones its tests check with their default options (where they came from and how
 they were picked is written at the top of that file; nothing is fetched when this runs). Each is
 graded with mathtask.grade(prediction, gold) and compared with the verdict the suite expects.

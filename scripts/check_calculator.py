@@ -3,8 +3,8 @@ The calculator against GSM8K's own annotations: for every <<expression=result>> 
 does calculator.calculate(expression) give the annotated result (as an exact number, or within the
 annotation's printed precision)?
 
-    python -m tools.check_calculator                       # GSM8K train + test through `datasets` (downloads once)
-    python -m tools.check_calculator train.jsonl test.jsonl  # OpenAI's release files (github.com/openai/grade-school-math)
+    python -m scripts.check_calculator                       # GSM8K train + test through `datasets` (downloads once)
+    python -m scripts.check_calculator train.jsonl test.jsonl  # OpenAI's release files (github.com/openai/grade-school-math)
 
 Prints the agreement and every annotation it misses.
 """

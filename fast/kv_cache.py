@@ -3,7 +3,7 @@ The KV cache of engine.py's batched sampler: each prompt's keys and values store
 samples, each sample's own keys beside them, and the decode step's attention over both.
 
 How the model and the cache talk (gpt.py's GPT.hidden_states and Attention.forward call these methods;
-loss_pass.SharedPrefix speaks the same protocol for the training loss):
+logprobs.SharedPrefix speaks the same protocol for the training loss):
   1. a forward pass of T new tokens per row first asks rope_and_mask(T) for their RoPE rotations and
      attention mask;
   2. each layer hands over its new keys and values: to update(layer, k, v) in the prefill (kept as the
@@ -42,7 +42,7 @@ class KVCache:
         self.row_ids = None       # original index (p * S + s) of each batch row after a compaction; None = all B, in order
         self.lead = None          # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
         self.first_position = self.row_start = None  # (B,) RoPE position of each row's own slot 0: by original row, by batch row
-        self.prompt_mask = self.own_mask = None      # additive masks of the scores against the two parts
+        self.prompt_mask = None   # additive mask of the scores against the prompt part: -inf on its padding
         self.grid_prompt = self.grid_sample = None   # after a compaction: each batch row's prompt and sample (_to_grid)
 
     def update(self, layer, k, v):
@@ -65,7 +65,6 @@ class KVCache:
         padding = torch.arange(T, device=device)[None, :] < self.pad[:, None]
         mask = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
         self.prompt_mask = mask[:, None, None].expand(P, Hkv, 1, T).reshape(P * Hkv, 1, T)
-        self.own_mask = torch.zeros((), device=device)  # every own slot read is written: nothing to hide
 
     def rope_and_mask(self, T):
         """
@@ -101,10 +100,10 @@ class KVCache:
         own_k, own_v = self.write_own(layer, k, v)  # (B, Hkv, slots, D)
         slots = own_k.size(2)
         q = q.view(B, Hkv, g, D) * D ** -0.5  # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
-        # scores with the masks added by the same call: prompt padding (P * Hkv, 1, T); own_mask hides nothing here
-        # (the slots read are the written ones), the unwritten ones under compiled_decode's static shapes
+        # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the own slots read are all
+        # written, so they need no mask
         prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].transpose(1, 2))
-        own_scores = torch.baddbmm(self.own_mask, q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
+        own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
         # one softmax over prompt and own keys, in fp32 under autocast; the cat also brings the prompt part back to rows
         scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.lead, Hkv, g, slots)], dim=-1)
         probs = scores.float().softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)

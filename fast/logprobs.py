@@ -6,7 +6,7 @@ and the two pieces of the model's training pass that make it cheap.
              -> gpt.GPT.forward(..., prefix=) -> SharedPrefix (attention over the shared prompts)
                                               -> token_nll (the NLL, chunked over tokens)
 
-make_batch lays out whole sequences, one row each: supervised training (tools/make_demo_model.py) and
+make_batch lays out whole sequences, one row each: supervised training (scripts/make_demo_model.py) and
 the reference the tests compare the shared layout with.
 """
 

@@ -1,7 +1,7 @@
 """
 Why distributed.setup_distributed gives each torchrun restart keys of its own, shown without chat_rl.
 
-    python -m tools.repro_gloo_restart [--tries=6]
+    python -m scripts.repro_gloo_restart [--tries=6]
 
 Each try launches `torchrun --standalone --max-restarts=1 --nproc_per_node=2` on this file: two gloo
 ranks all-reduce a few times and rank 1 SIGKILLs itself in the first launch, so torchrun restarts the

@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distributed import is_sharded
-from hf_folder import write_config
+from plumbing.distributed import is_sharded
+from policy.hf_folder import write_config
 
 
 def prepare(model, device, fsdp, activation_checkpointing):
