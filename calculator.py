@@ -1,7 +1,7 @@
 """
-The calculator the policy calls mid-solution, in GSM8K's annotation syntax: a worked step written as
+The calculator the policy calls mid-solution, in GSM8K's annotation syntax: a line of working written as
 `48/2 = <<48/2=24>>24` asks the tool for `48/2`; the engine forces the result and the closing `>>`
-(engine.py, ToolState), and the model goes on from there.
+(fast/tool_calls.py, ToolCalls), and the model goes on from there.
 
     calculate("48/2")        -> "24"       integral results print as integers
     calculate("12/60")       -> "0.2"
@@ -15,7 +15,7 @@ other node (names, calls, attributes, strings, comparisons, powers, ...) refuses
 expression, and so do division by zero, an expression or a number past a size limit, nesting past a
 depth limit and a result too large to be an answer. Before the parser sees anything, a character
 whitelist (ASCII digits, the operators, parentheses, '.', ',', blanks) and the length limit bound its
-work, so any input, however long or hostile, is answered within microseconds to a millisecond.
+work, so any input, however long or hostile, is answered in a time bounded by those limits.
 """
 
 import ast
@@ -67,7 +67,7 @@ def _evaluate(node, source, depth):
         if left is None or right is None:
             return None
         value = OPERATORS[type(node.op)](left, right)
-        # bounded sizes keep every step cheap: 30-digit numbers multiplied at most MAX_CHARS / 2 times
+        # bounded sizes keep every operation cheap: 30-digit numbers multiplied at most MAX_CHARS / 2 times
         return value if abs(value.numerator) < TOO_BIG and value.denominator < TOO_BIG else None
     return None
 

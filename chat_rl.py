@@ -1,22 +1,24 @@
 """
 chat_rl trains a chat model on verifiable math by reinforcement learning with the plain policy gradient (REINFORCE).
 
-"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their
-group's average, lower it for those below.
+"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their group's average,
+lower it for those below. Read this file top to bottom; the plain sampler is engine.generate_reference.
 
 One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
 per GPU; alone on a laptop there is one rank):
   1. take this step's problems (each rank its own share of examples_per_step);
-  2. sample num_samples completions of each (the group) with engine.py, which keeps each prompt's
-     attention keys and values (its KV cache) so a token costs one forward over one position; where a
-     completion writes GSM8K's calculator call `<<48/2=`, the engine forces the result `24>>` (--tool);
+  2. sample num_samples completions of each (the group) with engine.py: generate_reference is the plain
+     sampler to read, the Engine the fast one (each prompt's attention keys and values kept, its KV cache, so
+     a token costs one forward over one position); where a completion writes GSM8K's calculator call
+     `<<48/2=`, the result `24>>` is forced in (--tool);
   3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
      the final answer is right, else 0 (plus an optional format bonus, --format-weight);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of logp(token) * advantage) / (every sampled token of the step), logp
-     of softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it,
-     which the loss does not model: TRL samples without top-k for this reason);
+  5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
+     softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it, which the
+     loss does not model: TRL samples without top-k for this reason), the normaliser every sampled token of the
+     step (--loss-norm);
   6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
@@ -30,14 +32,13 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      used for exactly one step, so the ratio is 1 and the clip never acts; what is left is REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (nanochat's and TRL's): divide by every sampled token of the step on all
-     ranks, the unanimous groups' included, so every token weighs the same whatever its completion's
-     length, and dropping those groups only saves compute: the gradient is the one of the whole step.
-     A step's size then shrinks as more groups turn unanimous, which is the policy having less left to
-     learn. `--loss-norm=kept_tokens` divides by the kept groups' tokens only (DAPO's, without its
-     refilling), so the step keeps its size; `--loss-norm=sequence` takes each completion's mean first,
-     then divides by the step's completions (GRPO's). On the demo both token norms, at the same --lr,
-     give the same lift within the noise of 200 held-out problems (README).
+  4. Token-level normalisation (TRL's "dapo"): divide by every sampled token of the step on all ranks, the
+     unanimous groups' included, so every token weighs the same whatever its completion's length, and dropping
+     those groups only saves compute: the gradient is the one of the whole step. A step's size then shrinks as
+     more groups turn unanimous, which is the policy having less left to learn. `--loss-norm=kept_tokens`
+     divides by the kept groups' tokens only (DAPO's, without its refilling), so the step keeps its size;
+     `--loss-norm=sequence` takes each completion's mean first, then divides by the step's completions (GRPO's).
+     (nanochat's is none of these: each micro-batch over its own sampled tokens x passes x examples per rank.)
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -56,22 +57,20 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from plumbing import checkpoint
-from plumbing import fsdp
-from plumbing.distributed import StopFlag, all_reduce_sum, passes_on_every_rank, restart_count, setup_distributed, sync_gradients
 from calculator import calculate
 from engine import Engine
+from fast.logprobs import fast_logprobs, micro_batches
+from plumbing import checkpoint, fsdp
+from plumbing.data import load_data
+from plumbing.distributed import StopFlag, all_reduce_sum, restart_count, setup_distributed, sync_gradients
 from plumbing.flags import ConfigError, RunError, check_config, parse_config
-from fast.logprobs import first_target, make_shared_batch, micro_batches
 from plumbing.metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
 from tasks.common import conversation, get_task, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
-# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and the one
-# --preset=demo takes (the offline demo on one CPU; demo_model/ is the 0.8M-parameter model shipped
-# with the repository, made by scripts/make_demo_model.py). Edit the column of the run you launch.
-# Each name is also a flag, with - for _ (--num-samples=8 or --num-samples 8), which wins over
-# both columns; `--help` prints the table.
+# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and the one --preset=demo takes (the
+# offline demo on one CPU; demo_model/ is the 0.8M-parameter model shipped here, made by scripts/make_demo_model.py).
+# Each name is also a flag, with - for _ (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
 HYPERPARAMETERS = dict(
     # name               default                        --preset=demo  meaning
     task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline procedural word problems)"),
@@ -92,6 +91,7 @@ HYPERPARAMETERS = dict(
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
     loss_norm=          ("all_tokens",                  "all_tokens",  "what the loss divides by: all_tokens (of the step) | kept_tokens (groups with signal) | sequence"),
+    logprobs=           ("fast",                        "fast",        "fast | plain: the loss's log-probs (plain: all logits at once, as plain_logprobs reads)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
@@ -127,20 +127,18 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
 
 
 def derive_seed(*parts):
-    """Every seed of a run comes from here: a 63-bit hash of what tells two streams apart, e.g. (run seed, "rollout",
-    step, rank) or (run seed, "data", epoch). Distinct tuples get unrelated streams; bare arithmetic would not (seed *
-    1000 + epoch is the same for seed 0, epoch 1000 and seed 1, epoch 0). Evals reuse one stream per rank at every step,
-    so pass@k moves with the policy, not with the sampling noise. A resumed run derives the same seeds."""
+    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "rollout", step, rank) or
+    (run seed, "data", epoch); bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1,
+    epoch 0). Evals reuse one stream per rank, so pass@k moves with the policy, not with the sampling noise."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress=""):
-    """Sample num_samples completions per problem and score each. Returns a dict of per-completion lists,
-    prompt-major (the samples of problems[0], then of problems[1], ...). An engine call decodes at most
-    rows_per_call completions side by side (its batch rows) and draws from its own stream, derived from seed
-    and its first problem's index. progress: a label to show a progress bar under (terminal only), for evals."""
+    """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
+    samples of problems[0], then of problems[1], ...). An engine call decodes whole groups, rows_per_call rows at most
+    (one group if larger), its stream derived from seed and its first problem's index. progress: a bar's label."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
@@ -149,13 +147,13 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
-        seqs, masks = engine.generate_batch(prompts[start:start + per_call], num_samples, max_new_tokens,
-                                            temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
-        out["sequences"] += seqs
-        out["masks"] += masks
-        out["tool_calls"] += engine.tool_calls  # answered calls and refused ones, per completion
-        out["tool_errors"] += engine.tool_errors
-        bar.update(len(seqs) // num_samples)
+        samples = engine.generate(prompts[start:start + per_call], num_samples, max_new_tokens,
+                                  temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
+        out["sequences"] += samples.sequences
+        out["masks"] += samples.masks
+        out["tool_calls"] += samples.tool_calls  # answered calls and refused ones, per completion
+        out["tool_errors"] += samples.tool_errors
+        bar.update(len(samples.sequences) // num_samples)
     bar.close()
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
@@ -186,56 +184,70 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
-def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm,
-                             device, autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0):
+def policy_gradient_loss(logp, sampled, advantages, normaliser):
+    """Step 5's objective on a micro-batch: -(sum over sampled tokens of advantage * logp) / normaliser. logp (B, T):
+    each token's log-probability at the sampling temperature; sampled (B, T): True where the policy drew the token
+    (not prompt, tool result, padding); advantages (B,); normaliser: a number, or (B, 1) for --loss-norm=sequence."""
+    return -(advantages[:, None] * logp * sampled / normaliser).sum()
+
+
+def plain_logprobs(model, inputs, targets, temperature, loss_grad=None):
+    """log p(target) under softmax(logits / temperature), the distribution the rollout drew from; 0 where targets
+    is -1. All (B, T, V) logits at once: the version to read (--logprobs=plain). fast/logprobs.fast_logprobs, the
+    default, gives the same numbers with each prompt run once, the head in chunks, and its gradient made in the
+    forward pass from loss_grad, what the loss will send back to logp (autograd here needs no such hint)."""
+    logits = model(inputs).float() / temperature  # (B, T, V)
+    logp = logits.log_softmax(dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return torch.where(targets >= 0, logp, 0.0)
+
+
+def make_batch(sequences, masks, device):
+    """Right-padded (inputs, targets), both (B, T - 1): inputs[b, t] = token t of row b predicts targets[b, t] =
+    token t + 1, or -1 where the policy did not sample that token (prompt, tool result, padding): no gradient."""
+    T = max(len(s) for s in sequences) - 1
+    inputs, targets = torch.zeros(len(sequences), T, dtype=torch.long), torch.full((len(sequences), T), -1)
+    for i, (seq, mask) in enumerate(zip(sequences, masks)):
+        inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+        targets[i, :len(seq) - 1] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
+    return inputs.to(device), targets.to(device)
+
+
+def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
+                             autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs):
     """
-    Accumulate the REINFORCE gradient of this rank's completions into .grad; returns (loss, sampled tokens
-    of the kept groups on all ranks).
-
-        loss = -(sum over sampled tokens of logp(token) * advantage of its completion) / normaliser
-
-    logp is of softmax(logits / temperature), the distribution the rollout sampled from (top-k aside).
-    loss_norm names the normaliser, counted on all ranks (one all-reduce), so that micro-batching and
-    the number of ranks leave the loss unchanged:
-      all_tokens:  every sampled token of the step, the dropped groups' too (the default: nanochat's, TRL's,
-                   docstring departure 4);
+    Accumulate the gradient of policy_gradient_loss over this rank's completions into .grad; returns (loss, sampled
+    tokens of the kept groups on all ranks). loss_norm names the normaliser, counted on all ranks (one all-reduce),
+    so that micro-batching and the number of ranks leave the loss unchanged:
+      all_tokens:  every sampled token of the step on all ranks, the dropped groups' too (the default; TRL's "dapo");
       kept_tokens: the sampled tokens of the kept groups (DAPO's);
-      sequence:    the step's completions, all of them, each one's sum first divided by its tokens (GRPO's).
-    Completions of groups with all-zero advantages add 0 and are dropped before any forward pass (under
-    all_tokens and sequence a pure saving); in a micro-batch each prompt runs once for all its samples
-    (make_shared_batch). Gradients are summed over ranks by sync_gradients (under --fsdp, by FSDP in the
-    backward pass); every rank joins the same collectives, whatever it kept.
-    The loss's value is a diagnostic, negative once better completions are the likelier: only its gradient matters.
+      sequence:    the step's completions, each one's sum first divided by its own sampled tokens (GRPO's).
+    Groups with all-zero advantages add 0 and are dropped before any forward pass (under all_tokens and sequence a
+    pure saving). The loss's value is a diagnostic, negative once better completions are the likelier.
     """
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
-    # a group's rows side by side (they share one prompt pass: make_shared_batch), groups of similar prompt
-    # length and rows of similar length together (less padding)
-    keep.sort(key=lambda i: (first_target(masks[i]) or len(masks[i]), i // num_samples, len(sequences[i])))
-    # sampled tokens that are targets: mask[1:], as in logprobs.make_batch (position 0 is never a target)
+    # a group's rows side by side (fast_logprobs runs their prompt once), groups of similar prompt length and rows
+    # of similar length together (less padding)
+    keep.sort(key=lambda i: (next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i])), i // num_samples,
+                             len(sequences[i])))
+    # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
     local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
     normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
     loss_sum = torch.zeros((), device=device)
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return loss_sum, 0
-    # the token budget counts rows whole (rows x longest row): with prompts shared, the linear layers see fewer
-    # tokens than that, attention's padded slots at most rows x (longest prefix + longest own part)
+    # at most device_batch_size rows and device_batch_tokens tokens a pass, rows counted whole (rows x longest row)
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
-    # under FSDP each forward/backward is collective, so every rank runs as many passes as the busiest one;
-    # its extra passes are over an empty completion (no sampled token, every target -1): they add exactly 0
-    idle_passes = passes_on_every_rank(model, len(batches), device) - len(batches)
-    sequences, masks, advantages = sequences + [[0, 0]], masks + [[0, 0]], torch.cat([advantages, advantages.new_zeros(1)])
-    batches += [[len(sequences) - 1]] * idle_passes
+    fsdp.match_passes(model, len(batches), logprobs, device)  # under --fsdp a pass is collective: ranks run alike many
     for rows in batches:
-        prefix, inputs, targets = make_shared_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        # the loss as each token's NLL (-logp) times its weight, the row's advantage over the normaliser
-        weights = (advantages[rows].to(device) / normaliser)[:, None].expand(targets.shape)
-        if loss_norm == "sequence":  # GRPO: mean over each completion's tokens first
-            weights = weights / (targets >= 0).sum(dim=1, keepdim=True).clamp(min=1)
-        with autocast:  # each distinct prompt runs once; the head's gradients come with the forward pass
-            loss = model(inputs, targets, prefix=prefix, temperature=temperature, token_weights=weights)
+        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
+        sampled, adv = targets >= 0, advantages[rows].to(device)
+        norm = normaliser * sampled.sum(dim=1, keepdim=True).clamp(min=1) if loss_norm == "sequence" else normaliser
+        with autocast:  # the loss is linear in logp: its gradient there, loss_grad, is known before the forward pass
+            logp = logprobs(model, inputs, targets, temperature, loss_grad=-(adv[:, None] / norm) * sampled)
+        loss = policy_gradient_loss(logp, sampled, adv, norm)
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum, int(kept_tokens)
@@ -273,8 +285,7 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
     right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
     mine = problems[rank::world]
-    # summed over this rank's problems, then over ranks; pass@j, greedy and greedy_tool_use are per problem,
-    # the tool's means per sampled completion
+    # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
     names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
     totals, samples = dict.fromkeys(names, 0.0), []
     if mine:
@@ -345,9 +356,10 @@ def train(cfg, rank, world, device):
         t_rollout = time.time() - t0
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
-        loss, valid_tokens = policy_gradient_backward(model, out["sequences"], out["masks"], advantages,  # 5.
-                                                      cfg.num_samples, cfg.device_batch_size, cfg.loss_norm, device,
-                                                      autocast, cfg.device_batch_tokens, cfg.temperature)
+        loss, valid_tokens = policy_gradient_backward(                                                    # 5.
+            model, out["sequences"], out["masks"], advantages, num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
+            device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
+            autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
@@ -369,18 +381,7 @@ def train(cfg, rank, world, device):
     return 0
 
 
-# ==== plumbing: what the loop above calls that is not RL ==============================================
-def load_data(task, cfg):
-    """(train rows, eval rows), before the model: a missing data set fails in seconds, not after a load."""
-    try:
-        train_rows, eval_rows = task.load("train"), task.load("test", limit=cfg.eval_examples)
-    except (RuntimeError, ValueError) as e:
-        raise RunError(str(e)) from None
-    if len(train_rows) < cfg.examples_per_step:
-        raise ConfigError(f"{cfg.task} has {len(train_rows)} training problems, fewer than --examples-per-step={cfg.examples_per_step}")
-    return train_rows, eval_rows
-
-
+# ==== the command line ==============================================================================
 def main(argv=None):
     try:
         cfg = parse_config(sys.argv[1:] if argv is None else argv, HYPERPARAMETERS, __doc__)

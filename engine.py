@@ -1,49 +1,149 @@
 """
-A small KV-cached batched sampler: the rollout half of RL.
+Batched sampling for RL's rollouts, twice: a plain reference sampler to read first, then the fast Engine that
+the tests hold to it.
 
-Engine.generate_batch takes P prompts of different lengths and samples S completions of each in one
-batch of B = P * S rows:
+generate_reference samples a batch the simplest correct way: one loop over token positions t, the model
+rerun over every row's whole sequence at each, each row's calculator state in plain Python.
+
+Engine.generate samples the same rows from P prompts of different lengths, S completions of each, in one batch
+of B = P * S rows:
   1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once; the
      KV cache knows each prompt's pad count, so padding is neither attended to nor counted in RoPE
      positions (a left-padded prompt computes what it computes alone, up to the last bit).
   2. share: each prompt's keys and values serve all its S samples: prefilled once, stored once.
-  3. decode: one token per step for every row, until each has sampled a stop token or max_tokens
-     tokens. A finished row keeps decoding (its tokens are discarded) until enough rows have finished
-     to be worth a compaction: running rows from the back of the batch then move into the finished
+  3. decode: one token per row at each position t, until each row has sampled a stop token or
+     max_new_tokens tokens. A finished row keeps decoding (its tokens are discarded) until enough rows have
+     finished to be worth a compaction: running rows from the back of the batch then move into the finished
      rows' slots and the batch ends where the running rows end, so finished rows stop costing the
      model's matmuls and the attention to their own keys (the attention to the prompts still runs
      over each prompt's S sample slots, zeros where a row has left: one matmul per prompt either way).
-Sampling is by inverse CDF: the token is where the row's uniform number for the step falls in its
-cumulative probabilities. All of a call's numbers are drawn up front from a seeded generator: u[t, b]
-is row b's at step t (drawn as torch.rand(B, max_tokens), a row's numbers one run of the generator's
-stream, and stored transposed, so a step reads its numbers u[t] as one contiguous slice; a compaction
-moves each row's column with it). A row's
-token depends only on its own logits and its own u[t, b]: neither finished rows, compaction, nor the
-other rows change what it draws, and the same seed gives the same samples. (Its logits can still move
-in the last bit with the batch's size, as any batched matmul's do; where that crosses a boundary
-between two tokens, the draw differs.) Cost: one softmax pass over the vocabulary, not one random
-number per (row, vocabulary entry) as the Gumbel-max trick needs.
+Both sample by inverse CDF: the token is where the row's uniform number for position t falls in its
+cumulative probabilities, walked in vocabulary order. All of a call's numbers are drawn up front from a seeded
+generator, as torch.rand(B, max_new_tokens): row b's token t uses u[b, t], a row's numbers one run of the
+generator's stream. (The Engine stores them transposed, so position t reads its numbers u[t] as one contiguous
+slice; a compaction moves each row's column with it.) A row's token depends only on its own logits and its own
+u[b, t]: neither finished rows, compaction, nor the other rows change what it draws, and the same seed gives the
+same samples. (Its logits can still move in the last bit with the batch's size or the cache, as any batched
+matmul's do; where that crosses a boundary between two tokens, the draw differs.) Cost: one softmax pass over
+the vocabulary, not one random number per (row, vocabulary entry) as the Gumbel-max trick needs.
 
-The KV cache, and how the model talks to it, are in fast/kv_cache.py.
+The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator calls in
+fast/tool_calls.py.
 """
+
+import re
+from typing import NamedTuple
 
 import torch
 
 from fast.kv_cache import KVCache
 from fast.tool_calls import ToolCalls, call_tables
 
+
+class Samples(NamedTuple):
+    """One entry per row, prompt-major: the samples of prompt 0, then those of prompt 1, ..."""
+    sequences: list    # prompt + generated tokens; the stop token only with include_stop
+    masks: list        # 1 on sampled tokens, 0 on the prompt's and on those the calculator forced
+    tool_calls: list   # the row's calls, answered or refused
+    tool_errors: list  # of them, the refused ones
+
+
+# the text ends in a call: a maximal run of '<' of even length (an odd one leaves fast/tool_calls.py's automaton
+# at LT, and its next character sends it OUT), then, on one line and without another '<' or '=', the expression
+CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
+
+
+@torch.no_grad()
+def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None,
+                       seed=0, tool=None, include_stop=False):
+    """
+    The plain sampler, and the reference the tests hold the Engine to: for the same arguments (tool given to the
+    Engine's constructor), the same Samples, token for token. No cache: at each position t the model
+    runs over every running row's whole sequence, right-padded (under causal attention, padding after a row's
+    last real token changes nothing there), and row b draws its token t with u[b, t]. A row's calculator
+    state is plain Python: its completion's text and the result tokens it has still to write.
+    The Engine computes the same rows with a KV cache (each prompt's shared by its samples), compacts finished
+    rows out of the batch, and spots calls on the device with an automaton equivalent to CALL.
+    """
+    device = model.lm_head.weight.device
+    B = len(prompts) * num_samples
+    u = torch.rand(B, max_new_tokens, generator=torch.Generator(device).manual_seed(seed), device=device)
+    prompt = [list(prompts[b // num_samples]) for b in range(B)]
+    new, mask = [[] for _ in range(B)], [[] for _ in range(B)]  # each row's generated tokens, and 1 where sampled
+    text, pending = [""] * B, [[] for _ in range(B)]              # its completion's text, the tool's tokens to come
+    calls, errors = [0] * B, [0] * B
+    running = list(range(B))
+    for t in range(max_new_tokens):
+        if not running:
+            break
+        rows = [prompt[b] + new[b] for b in running]
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device)
+        last = torch.tensor([len(row) - 1 for row in rows], device=device)
+        logits = model(ids)[torch.arange(len(rows), device=device), last, :tokenizer.vocab_size]
+        drawn = sample_reference(logits, u[running, t], temperature, top_k).tolist()
+        still_running = []
+        for b, token in zip(running, drawn):
+            forced = bool(pending[b])
+            if forced:  # the tool's result goes in place of the draw
+                token = pending[b].pop(0)
+            new[b].append(token)
+            mask[b].append(0 if forced else 1)
+            if token in tokenizer.stop_tokens:
+                continue
+            still_running.append(b)
+            piece = tokenizer.decode([token])
+            text[b] += piece  # each token's own text, as the automaton's tables read it
+            if tool is not None and piece.endswith("=") and CALL.search(text[b]):
+                calls[b] += 1
+                written = tokenizer.decode(new[b])  # the expression as the Engine reads it: the tokens decoded together
+                result = tool(written[written.rfind("<<") + 2:-1])
+                if result is None:
+                    errors[b] += 1
+                else:
+                    pending[b] = tokenizer.encode(result + ">>")
+        running = still_running
+    sequences, masks = [], []
+    for b in range(B):
+        # a stop token ends its row, so a row that stopped ends with it
+        n = len(new[b]) - int(bool(new[b]) and new[b][-1] in tokenizer.stop_tokens and not include_stop)
+        sequences.append(prompt[b] + new[b][:n])
+        masks.append([0] * len(prompt[b]) + mask[b][:n])
+    return Samples(sequences, masks, calls, errors)
+
+
+def sample_reference(logits, u, temperature, top_k):
+    """
+    logits (B, V), u (B,) in [0, 1) -> token ids (B,): for each row the first token, in vocabulary order, whose
+    cumulative probability exceeds u * total, under softmax(logits / temperature) restricted to the entries
+    >= the k-th largest (ties with it kept). temperature 0 = argmax, u unused.
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
+    token = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    # where rounding puts u * total at or past the last sum: its first maximum, the last entry that raised it
+    return torch.minimum(token, cdf.argmax(dim=-1, keepdim=True))[:, 0]
+
+
+# ---- the fast sampler --------------------------------------------------------------------------
+
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
-ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time (8 MB in fp32)
+ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time
 
 
 def sample_next_token(logits, u, temperature=1.0, top_k=None):
     """
-    logits (B, V), u (B,) uniform numbers in [0, 1) -> token ids (B,), row b drawn from
-    softmax(logits[b] / temperature) restricted to its top_k entries (all entries tied with the
+    sample_reference's draws, faster: logits (B, V), u (B,) uniform numbers in [0, 1) -> token ids (B,), row b
+    drawn from softmax(logits[b] / temperature) restricted to its top_k entries (all entries tied with the
     k-th largest are kept). temperature 0 = greedy argmax, u unused.
-    Rows go through in chunks of at most ROWS_X_VOCAB entries: each chunk's temporaries stay in cache
-    and in the allocator's free lists, where a fresh full-size tensor at every step (150 MB for 256 rows
-    of a 152k vocabulary) would cost a CPU more in page faults than the softmax itself.
+    Rows go through in chunks of at most ROWS_X_VOCAB entries, so that at every position the softmax's
+    temporaries are the same few small tensors, reused from the caches and the allocator's free lists, rather
+    than fresh ones the size of all rows x the whole vocabulary.
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
@@ -66,9 +166,13 @@ def _sample_rows(logits, u, temperature, top_k):
     kth = values[:, top_k - 1:top_k]
     if logits.is_cuda:  # every row over the whole vocabulary: a check for ties would be a host sync
         return sample_from_probs(torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u)
-    # sample among the k candidates only, no pass over the whole vocabulary; a row with a tie at the k-th
-    # keeps every tied entry, over its whole row: each row's path depends on its own logits alone
-    token = ids.gather(1, sample_from_probs(torch.softmax(values[:, :top_k], dim=-1), u)[:, None])[:, 0]
+    # sample among the k candidates only, no pass over the whole vocabulary; sorted by token id, so that the
+    # same u picks the same token here as on the paths that walk the whole vocabulary in id order
+    candidates, order = ids[:, :top_k].sort(dim=-1)
+    picked = sample_from_probs(torch.softmax(values[:, :top_k].gather(1, order), dim=-1), u)
+    token = candidates.gather(1, picked[:, None])[:, 0]
+    # a row with a tie at the k-th keeps every tied entry, over its whole row: each row's path depends on its own
+    # logits alone
     tied = values[:, top_k] == kth[:, 0]
     if bool(tied.any()):
         rows, kth = logits[tied], kth[tied]
@@ -132,7 +236,7 @@ def compaction_moves(keep, n_keep):
     return holes, fillers, order
 
 
-def decode_step(model, token, cache):
+def next_logits(model, token, cache):
     """token (B,) -> next-token logits (B, V): one token per row through the model, its keys and values cached."""
     return model(token[:, None], kv_cache=cache)[:, -1]
 
@@ -143,9 +247,10 @@ class Engine:
     compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
         its rows has finished; 0 = as soon as one has, None = never. A compaction copies running rows from
         the back into finished rows' slots, at most min(finished, running) rows and only their written own
-        slots (compaction_moves), while shrinking the batch by 1/8 saves 1/8 of every later step.
+        slots (compaction_moves), while shrinking the batch by a share saves that share of the model's work at
+        every later position.
     tool: a function from an expression to its result text or None (calculator.calculate), called when a
-        row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (tool_calls.py).
+        row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (fast/tool_calls.py).
         None: no tool, and a row that writes `<<` is sampled like any other.
     """
 
@@ -154,92 +259,95 @@ class Engine:
         self.tokenizer = tokenizer
         self.compact_at = compact_at
         self.tool = tool
-        self.tool_tables = None  # tool_calls.call_tables of the tokenizer, built at the first call
-        self.tool_calls, self.tool_errors = [], []  # per row of the last generate_batch: calls made, and of them refused
+        self.tool_tables = None  # fast/tool_calls.call_tables of the tokenizer, built at the first call
 
     @torch.no_grad()
-    def prefill(self, prompts, num_samples, max_tokens):
+    def prefill(self, prompts, num_samples, max_new_tokens):
         """
-        Steps 1-2 of generate_batch: prompts (P token-id lists) -> the logits of each row's first token
-        (P * num_samples, V), prompt-major, and the KV cache, ready for max_tokens decode steps of those rows.
+        Parts 1-2 of generate: prompts (P token-id lists) -> the logits of each row's first token
+        (P * num_samples, V), prompt-major, and the KV cache, with room for max_new_tokens tokens of each row.
         """
         model, device = self.model, self.model.lm_head.weight.device
-        lengths = [len(p) for p in prompts]
-        assert min(lengths) > 0, "every prompt needs at least one token"
-        T = max(lengths)
+        prompt_lengths = [len(p) for p in prompts]
+        assert min(prompt_lengths) > 0, "every prompt needs at least one token"
+        T = max(prompt_lengths)
         ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
-        pad = torch.tensor([T - n for n in lengths], dtype=torch.long, device=device)
-        rope = model.rope(torch.arange(T + max_tokens, device=device)[None])[0, 0]  # (max_len, D/2, 2)
-        cache = KVCache(model.config.num_hidden_layers, pad, max_tokens, rope)
+        pad = torch.tensor([T - n for n in prompt_lengths], dtype=torch.long, device=device)
+        rope = model.rope(torch.arange(T + max_new_tokens, device=device)[None])[0, 0]  # (max_len, D/2, 2)
+        cache = KVCache(model.config.num_hidden_layers, pad, max_new_tokens, rope)
         logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
         cache.share(num_samples)                    # its keys serve all its samples
         return logits.repeat_interleave(num_samples, dim=0), cache
 
-    @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one at every step
-    def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0,
+    def generate_batch(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
                        include_stop=False):
+        """generate's (sequences, masks) alone."""
+        return self.generate(prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop)[:2]
+
+    @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one for every token
+    def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
+                 include_stop=False):
         """
-        prompts: list of P token-id lists. Returns (sequences, masks), P * num_samples of each,
-        prompt-major: sequence = prompt + generated tokens (the stop token excluded, unless
-        include_stop: RL wants it, since ending the answer is a choice the policy makes too);
-        mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its results).
-        self.tool_calls and self.tool_errors then hold each row's calls and, of them, the refused ones.
-        Forced tokens count toward max_tokens: each takes a decode step and a slot of the row's KV cache,
-        which max_tokens sizes, and the budget then bounds the sequence the loss runs as well.
+        prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls, tool_errors), P * num_samples
+        rows, prompt-major: generate_reference's for the same arguments. sequence = prompt + generated tokens (the
+        stop token excluded, unless include_stop: RL wants it, since ending the answer is a choice the policy
+        makes too); mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its results).
+        Forced tokens count toward max_new_tokens: each takes a position and a slot of the row's KV cache, which
+        max_new_tokens sizes, and the budget then bounds the sequence the loss runs as well.
         """
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
         vocab = self.tokenizer.vocab_size  # a model's embedding table may be padded past it: those rows are not tokens
-        logits, cache = self.prefill(prompts, num_samples, max_tokens)
+        logits, cache = self.prefill(prompts, num_samples, max_new_tokens)
         B = logits.size(0)
-        u = torch.rand(B, max_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
-        out = torch.zeros(max_tokens, B, dtype=torch.long, device=device)  # out[t, b]: original row b's token at step t
+        u = torch.rand(B, max_new_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
+        out = torch.zeros(max_new_tokens, B, dtype=torch.long, device=device)  # out[t, b]: original row b's token t
         row_ids = torch.arange(B, device=device)  # original index of each row in the batch, in batch order
-        steps = torch.arange(max_tokens + 1, device=device)  # steps[t]: step t as a tensor, made once
-        # each batch row's step of its first stop token, which is its completion length; max_tokens while it runs
-        stop_step = torch.full((B,), max_tokens, dtype=torch.long, device=device)
-        lengths = stop_step.clone()  # the same by original row, recorded as rows leave the batch
+        positions = torch.arange(max_new_tokens + 1, device=device)  # positions[t]: t as a tensor, made once
+        # each batch row's completion length: the position of its first stop token, max_new_tokens while it runs
+        length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        completion_lengths = length.clone()  # the same by original row, recorded as rows leave the batch
         tools = None
         if self.tool is not None:
             if self.tool_tables is None:
                 self.tool_tables = call_tables(self.tokenizer, device)
             tools = ToolCalls(self.tool, self.tokenizer, self.tool_tables, B, device)
-            forced = torch.zeros(max_tokens, B, dtype=torch.bool, device=device)  # forced[t, b]: the tool wrote out[t, b]
-        for t in range(max_tokens):
+            forced = torch.zeros(max_new_tokens, B, dtype=torch.bool, device=device)  # forced[t, b]: the tool wrote out[t, b]
+        for t in range(max_new_tokens):
             n_rows = row_ids.size(0)
             token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
-            if tools is not None:  # a row inside a tool's answer takes its next forced token instead
-                token, forced_now, called = tools.step(t, token, stop_step == max_tokens)
+            if tools is not None:  # a row inside a tool's answer takes its next result token instead
+                token, forced_now, called = tools.feed(t, token, length == max_new_tokens)
                 forced[t].index_copy_(0, row_ids, forced_now)
             out[t].index_copy_(0, row_ids, token)
-            stop_step = torch.minimum(stop_step, torch.where(torch.isin(token, stop), steps[t], steps[max_tokens]))
+            length = torch.minimum(length, torch.where(torch.isin(token, stop), positions[t], positions[max_new_tokens]))
             if tools is None:
-                n_finished = int((stop_step < max_tokens).sum())  # the step's one host sync
+                n_finished = int((length < max_new_tokens).sum())  # the position's one host sync
             else:
-                n_finished, n_called = torch.stack([(stop_step < max_tokens).sum(), called.sum()]).tolist()  # still one
+                n_finished, n_called = torch.stack([(length < max_new_tokens).sum(), called.sum()]).tolist()  # still one
                 if n_called:
                     tools.answer(t, called, row_ids, out)
-            if n_finished == n_rows or t == max_tokens - 1:
+            if n_finished == n_rows or t == max_new_tokens - 1:
                 break
             n_keep = n_rows - n_finished  # a compaction keeps the running rows
             if self.compact_at is not None and n_finished > 0 and n_finished >= self.compact_at * n_rows:
-                lengths.index_copy_(0, row_ids, stop_step)  # finished rows leave: record their lengths first
-                keep = stop_step == max_tokens  # the running rows
+                completion_lengths.index_copy_(0, row_ids, length)  # finished rows leave: record their lengths first
+                keep = length == max_new_tokens  # the running rows
                 holes, fillers, order = compaction_moves(keep, n_keep)
-                row_ids, stop_step, token, u = row_ids[order], stop_step[order], token[order], u[:, order]
+                row_ids, length, token, u = row_ids[order], length[order], token[order], u[:, order]
                 cache.keep_rows(holes, fillers, row_ids, written=t)  # tokens 0..t-1 are in; token t is fed next
                 if tools is not None:
                     tools.keep_rows(order)
-            logits = decode_step(model, token, cache)
-        lengths.index_copy_(0, row_ids, stop_step)
+            logits = next_logits(model, token, cache)
+        completion_lengths.index_copy_(0, row_ids, length)
 
-        out, lengths = out.T.tolist(), lengths.tolist()
-        sampled = [[1] * max_tokens] * B if tools is None else (~forced).T.int().tolist()  # 0: forced by the tool
-        self.tool_calls, self.tool_errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)
+        out, completion_lengths = out.T.tolist(), completion_lengths.tolist()
+        sampled = [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()  # 0: forced by the tool
         sequences, masks = [], []
-        for row in range(B):
+        for row, n in enumerate(completion_lengths):
             prompt = prompts[row // num_samples]
-            n = lengths[row] + int(include_stop and lengths[row] < max_tokens)  # a row that ran out of tokens has no stop token
+            n += int(include_stop and n < max_new_tokens)  # a row that ran out of tokens has no stop token
             sequences.append(list(prompt) + out[row][:n])
             masks.append([0] * len(prompt) + sampled[row][:n])
-        return sequences, masks
+        calls, errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)
+        return Samples(sequences, masks, calls, errors)

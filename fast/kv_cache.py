@@ -1,17 +1,12 @@
 """
 The KV cache of engine.py's batched sampler: each prompt's keys and values stored once for all its
-samples, each sample's own keys beside them, and the decode step's attention over both.
+samples, each sample's own keys beside them, and a decode pass's attention over both.
 
-How the model and the cache talk (gpt.py's GPT.hidden_states and Attention.forward call these methods;
-logprobs.SharedPrefix speaks the same protocol for the training loss):
-  1. a forward pass of T new tokens per row first asks rope_and_mask(T) for their RoPE rotations and
-     attention mask;
-  2. each layer hands over its new keys and values: to update(layer, k, v) in the prefill (kept as the
-     prompt part, and returned for the prefill's own attention), to attend(layer, q, k, v) in a decode
-     step (stored in the row's own slot, and the attention computed here);
-  3. the pass ends with advance(T): the next pass's tokens sit T slots further on.
-The engine calls share(S) once, between the prefill and the first decode step, and keep_rows(...)
-between two decode steps when it compacts the batch.
+The cache is a layout in the sense of policy/gpt.py's GPT.hidden_states, which states the protocol the model
+speaks to it (rope_and_mask, update in the prefill, attend in a decode pass, advance), as
+fast/logprobs.SharedPrefix speaks it for the loss.
+The engine calls share(S) once, between the prefill and the first decode pass, and keep_rows(...)
+between two decode passes when it compacts the batch.
 """
 
 import torch
@@ -21,17 +16,17 @@ class KVCache:
     """
     Keys and values of every layer, in two parts:
       prompt part (P * Hkv, T, D): written once by the prefill, one row per prompt and kv head, shared by all its samples;
-      own part (B, Hkv, max_new, D): one row per sample (prompt-major, B = P * S), one slot per decode step.
+      own part (B, Hkv, max_new_tokens, D): one row per sample (prompt-major, B = P * S), one slot per new token.
     Prompts are left-padded to T: prompt p's tokens start at slot pad[p]; RoPE positions are slot - pad[p]
     and masks hide slots < pad[p]. rope: (max_len, head_dim/2, 2) RoPE rotations of positions 0..max_len-1 (GPT.rope).
     Why two parts: a prompt's keys are the same for its S samples, so they are stored and read once, and a
-    decode step attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
-    instead of S matmuls of one row each, which on a CPU run far below the memory's speed.
+    decode pass attends to them with one matmul per prompt (its S samples' queries stacked as the rows)
+    instead of S matmuls of one row each, each of which would read all the prompt's keys again for one row.
     """
 
-    def __init__(self, num_layers, pad, max_new, rope):
+    def __init__(self, num_layers, pad, max_new_tokens, rope):
         self.pad = pad            # (P,) long: each prompt's left padding
-        self.max_new = max_new    # own slots of a row: the most tokens it can generate
+        self.max_new_tokens = max_new_tokens  # own slots of a row: the most tokens it can generate
         self.rope = rope
         self.pos = 0              # the next slot, the same for every row: T + tokens generated so far
         self.prompt_len = None    # T, set by the prefill (update)
@@ -40,14 +35,14 @@ class KVCache:
         self.samples = None       # S
         self.k = self.v = None    # the own part, per layer
         self.row_ids = None       # original index (p * S + s) of each batch row after a compaction; None = all B, in order
-        self.lead = None          # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
-        self.first_position = self.row_start = None  # (B,) RoPE position of each row's own slot 0: by original row, by batch row
+        self.rows_shape = None    # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
+        self.first_position = None  # (rows,) RoPE position of each batch row's own slot 0: its prompt's length
         self.prompt_mask = None   # additive mask of the scores against the prompt part: -inf on its padding
         self.grid_prompt = self.grid_sample = None   # after a compaction: each batch row's prompt and sample (_to_grid)
 
     def update(self, layer, k, v):
         """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
-        assert self.pos == 0, "update() is the prefill's; decode steps go through attend()"
+        assert self.pos == 0, "update() is the prefill's; decode passes go through attend()"
         P, Hkv, T, D = k.shape
         self.prompt_len = T
         self.prompt_k[layer], self.prompt_v[layer] = k.reshape(P * Hkv, T, D).contiguous(), v.reshape(P * Hkv, T, D).contiguous()
@@ -56,11 +51,11 @@ class KVCache:
     def share(self, num_samples):
         """After the prefill: row r = sample r % S of prompt r // S (prompt-major), B = P * S rows."""
         P, T, device = self.pad.size(0), self.prompt_len, self.pad.device
-        self.samples, self.decoding, self.lead = num_samples, True, (P, num_samples)
-        self.first_position = self.row_start = T - self.pad.repeat_interleave(num_samples)
+        self.samples, self.decoding, self.rows_shape = num_samples, True, (P, num_samples)
+        self.first_position = T - self.pad.repeat_interleave(num_samples)
         B, Hkv = P * num_samples, self.prompt_k[0].size(0) // P
-        self.k = [k.new_zeros(B, Hkv, self.max_new, k.size(2)) for k in self.prompt_k]  # in the keys' dtype (autocast's)
-        self.v = [v.new_zeros(B, Hkv, self.max_new, v.size(2)) for v in self.prompt_v]
+        self.k = [k.new_zeros(B, Hkv, self.max_new_tokens, k.size(2)) for k in self.prompt_k]  # in the keys' dtype (autocast's)
+        self.v = [v.new_zeros(B, Hkv, self.max_new_tokens, v.size(2)) for v in self.prompt_v]
         # (P * Hkv, 1, T): -inf on each prompt's padding, the same for all its samples whatever leaves the batch
         padding = torch.arange(T, device=device)[None, :] < self.pad[:, None]
         mask = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
@@ -84,13 +79,13 @@ class KVCache:
         return self.rope[positions][:, None], (causal & (real | itself))[:, None]
 
     def positions(self):
-        """(rows,) RoPE position of each row's token in this decode step."""
-        return self.row_start + (self.pos - self.prompt_len)
+        """(rows,) RoPE position of each row's token in this decode pass."""
+        return self.first_position + (self.pos - self.prompt_len)
 
     def attend(self, layer, q, k, v):
         """
-        Decode step: q (B, H, 1, D), k and v (B, Hkv, 1, D) of each row's new token -> attention output (B, H, 1, D).
-        k, v go into this step's slot of the own part; each row then attends to its prompt's keys and its own, one
+        Decode pass: q (B, H, 1, D), k and v (B, Hkv, 1, D) of each row's new token -> attention output (B, H, 1, D).
+        k, v go into this token's slot of the own part; each row then attends to its prompt's keys and its own, one
         softmax over both. GQA without copies: the g = H / Hkv query heads sharing a kv head are g rows of one matmul.
         The prompt part runs in the (P, S) grid (_to_grid): one matmul per prompt and kv head for all its samples.
         """
@@ -105,15 +100,15 @@ class KVCache:
         prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].transpose(1, 2))
         own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
         # one softmax over prompt and own keys, in fp32 under autocast; the cat also brings the prompt part back to rows
-        scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.lead, Hkv, g, slots)], dim=-1)
+        scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)], dim=-1)
         probs = scores.float().softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)
         prompt_probs, own_probs = probs.split([probs.size(-1) - slots, slots], dim=-1)
         prompt_y = self._from_grid(torch.bmm(self._to_grid(prompt_probs), self.prompt_v[layer]))
-        y = torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(*self.lead, Hkv, g, D) + prompt_y
+        y = torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(*self.rows_shape, Hkv, g, D) + prompt_y
         return y.reshape(B, H, 1, D)
 
     def write_own(self, layer, k, v):
-        """Store this step's k, v (B, Hkv, 1, D) in its own slot; return the own part's written slots (B, Hkv, t + 1, D)."""
+        """Store this token's k, v (B, Hkv, 1, D) in its own slot; return the own part's written slots (B, Hkv, t + 1, D)."""
         t = self.pos - self.prompt_len
         self.k[layer][:, :, t] = k[:, :, 0]
         self.v[layer][:, :, t] = v[:, :, 0]
@@ -129,8 +124,9 @@ class KVCache:
         first len(row_ids) slots (compaction_moves). Only holes are written, from their fillers (some a row onto
         itself), and only the written own slots; the batch is then a view of the first slots of the same buffers.
         """
-        self.row_ids, self.row_start, self.lead = row_ids, self.first_position[row_ids], (row_ids.size(0),)
+        self.row_ids, self.rows_shape = row_ids, (row_ids.size(0),)
         self.grid_prompt, self.grid_sample = row_ids // self.samples, row_ids % self.samples  # each row's place in the grid
+        self.first_position = self.prompt_len - self.pad[self.grid_prompt]
         for buffers in (self.k, self.v):
             for i, buffer in enumerate(buffers):
                 buffer[holes, :, :written] = buffer[fillers, :, :written]
@@ -151,7 +147,7 @@ class KVCache:
         return grid.view(P * Hkv, S * g, X)
 
     def _from_grid(self, y):
-        """The grid (P * Hkv, S * g, Y) -> rows (*lead, Hkv, g, Y): a view (P, S, ...) while every row is in the
+        """The grid (P * Hkv, S * g, Y) -> rows (*rows_shape, Hkv, g, Y): a view (P, S, ...) while every row is in the
         batch, the rows' entries (B, ...) after a compaction (the two index tensors, apart, put their dim first)."""
         P, S = self.pad.size(0), self.samples
         y = y.view(P, y.size(0) // P, S, -1, y.size(-1))  # (P, Hkv, S, g, Y)

@@ -1,83 +1,75 @@
 """
-The loss's forward pass, laid out to waste nothing: what chat_rl's policy_gradient_backward hands the model,
-and the two pieces of the model's training pass that make it cheap.
+The fast path of the loss's log-probs: chat_rl.plain_logprobs, computed to waste nothing, and held to it by
+tests/test_fast_logprobs.py. What it does differently, and why:
 
-    rollouts -> make_shared_batch (each prompt once) -> micro_batches (rows and tokens bounded)
-             -> gpt.GPT.forward(..., prefix=) -> SharedPrefix (attention over the shared prompts)
-                                              -> token_nll (the NLL, chunked over tokens)
+    fast_logprobs(model, inputs, targets, temperature, loss_grad)
+      -> make_shared_batch: each distinct prompt once (the 16 samples of a problem share it, and it is
+         often longer than their answers); a row keeps only its own tokens
+      -> model.hidden_states(..., SharedPrefix): the prefixes and the rows' own tokens as one flat sequence,
+         attention put back into padded slots (SharedPrefix, below)
+      -> SampledLogprobs: the head chunk by chunk, never all (tokens, vocabulary) logits at once; and, since the
+         loss is linear in the log-probs and loss_grad says what gradient it will send back, the head's
+         gradients made in the same pass over each chunk's logits, not by projecting again in the backward pass
 
-make_batch lays out whole sequences, one row each: supervised training (scripts/make_demo_model.py) and
-the reference the tests compare the shared layout with.
+token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised training), whose
+gradient is not known in advance: its backward pass projects each chunk again. micro_batches bounds the rows and
+tokens of one forward/backward pass.
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def make_batch(sequences, masks, device):
-    """Right-padded (inputs, targets), both (B, T - 1): inputs[t] predicts targets[t] = sequence[t + 1].
-    targets are -1 where the next token was not sampled by the policy (prompt, padding): no gradient.
-    (Whole sequences, one row each: what supervised training wants; RL's loss uses make_shared_batch.)"""
-    T = max(len(s) for s in sequences) - 1
-    inputs = torch.zeros(len(sequences), T, dtype=torch.long)
-    targets = torch.full((len(sequences), T), -1, dtype=torch.long)
-    for i, (seq, mask) in enumerate(zip(sequences, masks)):
-        n = len(seq) - 1
-        inputs[i, :n] = torch.tensor(seq[:-1])
-        # the target of position t is token t + 1, and it is trained only if the policy sampled it
-        targets[i, :n] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
-    return inputs.to(device), targets.to(device)
-
-
-def first_target(mask):
-    """Position of a row's first sampled token that is a target (position 0 never is); None if it has none."""
-    return next((i for i in range(1, len(mask)) if mask[i]), None)
-
-
-def make_shared_batch(sequences, masks, device):
+def fast_logprobs(model, inputs, targets, temperature, loss_grad=None):
     """
-    make_batch's targets, laid out so that each distinct prompt is run once (SharedPrefix below): the 16
-    samples of a problem share its prompt, and the loss would otherwise run it, forward and backward,
-    16 times. A row's prompt is its tokens before its first target; its prefix is that prompt less its
-    last token, whose position predicts the first target and so starts the row's own part.
-    Returns prefix = (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for model(..., prefix=prefix),
-    and each row's own (inputs, targets) (B, T), right-padded, targets -1 where not sampled.
+    chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out -> logp (B, T) fp32, the
+    log-probability under softmax(logits / temperature) of each target, 0 where targets is -1.
+    loss_grad (B, T): the gradient the loss will send back to logp (for chat_rl's loss, -advantage / normaliser
+    on each sampled token). Given, the head's gradients are made in the forward pass, and the backward pass checks
+    that what arrives is that gradient; None: the head is projected again in the backward pass (token_nll).
+    """
+    prefix_ids, prefix_lengths, row_prefix, own_inputs, own_targets = make_shared_batch(inputs, targets)
+    layout = SharedPrefix(model.rope, prefix_ids, prefix_lengths, row_prefix, own_targets)
+    h = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)[0, layout.num_prefix_tokens:]  # (own tokens, C)
+    h = h[own_targets[layout.own_real] >= 0]  # the positions with a target, row-major: targets[sampled]'s order
+    sampled = targets >= 0
+    weight, chunk = model.lm_head.weight, max(1, LOGITS_PER_CHUNK // model.lm_head.weight.size(0))
+    if loss_grad is None:
+        logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
+    else:
+        logp = SampledLogprobs.apply(h, weight, targets[sampled], loss_grad[sampled], chunk, float(temperature))
+    return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
+
+
+LOGITS_PER_CHUNK = 2 ** 24  # the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
+
+
+def make_shared_batch(inputs, targets):
+    """
+    (inputs, targets) of whole rows (B, T) -> the same targets laid out so that each distinct prompt runs once
+    (SharedPrefix): a row's prompt is its tokens before its first target; its prefix is that prompt less its last
+    token, whose position predicts the first target and so starts the row's own part, which ends at its last target
+    (what follows feeds no target). Returns prefix_ids (G, P) right-padded, prefix_lengths (G,), row_prefix (B,),
+    and each row's own (inputs, targets) (B, T'), right-padded, targets -1 where not sampled.
     """
     prefixes, row_prefix, own = {}, [], []
-    for seq, mask in zip(sequences, masks):
-        start = first_target(mask)
-        if start is None:  # nothing to train on: an empty prefix and one token, which the model leaves out
-            key, row = (), ([seq[0]], [-1])
+    for row_inputs, row_targets in zip(inputs.tolist(), targets.tolist()):
+        sampled = [t for t, target in enumerate(row_targets) if target >= 0]
+        if not sampled:  # nothing to train on: an empty prefix and one token, which the model leaves out
+            key, row = (), ([row_inputs[0]], [-1])
         else:
-            key, row = tuple(seq[:start - 1]), (seq[start - 1:-1], [tok if m else -1 for tok, m in zip(seq[start:], mask[start:])])
+            first, last = sampled[0], sampled[-1] + 1
+            key, row = tuple(row_inputs[:first]), (row_inputs[first:last], row_targets[first:last])
         row_prefix.append(prefixes.setdefault(key, len(prefixes)))
         own.append(row)
-    P, T = max(1, max(map(len, prefixes))), max(1, max(len(inputs) for inputs, _ in own))
-    ids = torch.zeros(len(prefixes), P, dtype=torch.long)
-    for g, prefix in enumerate(prefixes):
-        ids[g, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
-    inputs = torch.zeros(len(own), T, dtype=torch.long)
-    targets = torch.full((len(own), T), -1, dtype=torch.long)
-    for i, (row_inputs, row_targets) in enumerate(own):
-        inputs[i, :len(row_inputs)] = torch.tensor(row_inputs, dtype=torch.long)
-        targets[i, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.long)
-    lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
-    prefix = (ids.to(device), lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device))
-    return prefix, inputs.to(device), targets.to(device)
-
-
-def micro_batches(lengths, max_rows, max_tokens):
-    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
-    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
-    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
-    batches, batch, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
-            batches.append(batch)
-            batch, longest = [], 0
-        batch.append(i)
-        longest = max(longest, n)
-    return batches + [batch] if batch else batches
+    device = inputs.device
+    P, T = max(1, max(map(len, prefixes))), max(len(row_inputs) for row_inputs, _ in own)
+    prefix_ids = torch.tensor([list(prefix) + [0] * (P - len(prefix)) for prefix in prefixes], dtype=torch.long)
+    own_inputs = torch.tensor([row_inputs + [0] * (T - len(row_inputs)) for row_inputs, _ in own], dtype=torch.long)
+    own_targets = torch.tensor([row_targets + [-1] * (T - len(row_targets)) for _, row_targets in own], dtype=torch.long)
+    prefix_lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
+    return (prefix_ids.to(device), prefix_lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device),
+            own_inputs.to(device), own_targets.to(device))
 
 
 def token_nll(h, weight, targets, chunk, temperature=1.0):
@@ -98,7 +90,7 @@ class ChunkedNLL(torch.autograd.Function):
     backward: each chunk's logits again, turned in place into d nll / d z = (softmax(z / T) - onehot) / T (times
     the incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
     (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
-    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: +0.5 GB at 152k x 768.)
+    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: a second head-sized buffer.)
     Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
     run in fp32, the gradients' dtype.
     """
@@ -150,31 +142,25 @@ def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None
             grad_w.addmm_(grad.t(), h.to(grad.dtype))
 
 
-def weighted_nll(h, weight, targets, token_weights, chunk, temperature=1.0):
+class SampledLogprobs(torch.autograd.Function):
     """
-    sum_i token_weights[i] * NLL_i (a scalar): the loss of token_nll's per-token NLL weighted by a factor known
-    before the forward pass (RL's advantage over the normaliser), with its gradients made in the same pass over
-    the logits (WeightedNLL), so that the backward pass projects nothing again.
-    """
-    return WeightedNLL.apply(h, weight, targets, token_weights, chunk, float(temperature))
-
-
-class WeightedNLL(torch.autograd.Function):
-    """
-    forward: each chunk's logits z / T once: their log-sum-exp and NLL, and in place d / d z of the weighted
-    sum, whose products with the head and the hidden states are the gradients of h and of the head (add_chunk_grads),
-    kept for the backward pass, which scales them by its incoming gradient. ChunkedNLL's backward makes every
-    chunk's logits a second time, a third of the head's matmul work; this costs the gradient buffers from the
-    forward pass on (grad_h the size of h, which is not kept; the head's (V, C), which the backward pass makes anyway).
+    h (N, C), the head's weight (V, C), targets (N,), loss_grad (N,) -> logp (N,) of softmax(h W^T / T), and in the
+    same pass the gradients of sum_i loss_grad_i * logp_i with respect to h and W.
+    forward: each chunk's logits z / T once: their log-sum-exp and the targets' log-probs, and in place
+    d logp / d z, whose products with the head and the hidden states are the gradients (add_chunk_grads), kept
+    for the backward pass. ChunkedNLL's backward makes every chunk's logits a second time, a third of the head's
+    matmul work; this costs the gradient buffers from the forward pass on (grad_h the size of h, which is not
+    kept; the head's (V, C), which the backward pass makes anyway).
+    backward: the gradients made in the forward pass, once it has checked that the incoming gradient is the one
+    they were made for.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, token_weights, chunk, temperature):
+    def forward(ctx, h, weight, targets, loss_grad, chunk, temperature):
         grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
-        loss = torch.zeros((), device=h.device)
-        # one (chunk, V) buffer for every chunk's logits: on CPU a fresh 64 MiB tensor per chunk costs a third more
-        # than its matmul in page faults
+        logp = torch.empty(h.size(0), device=h.device)
+        # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
         for s in range(0, h.size(0), chunk):
             rows = slice(s, s + chunk)
@@ -188,18 +174,36 @@ class WeightedNLL(torch.autograd.Function):
             top = logits.amax(dim=-1)
             exp = logits.sub_(top[:, None]).exp_()
             total = exp.sum(dim=-1)
-            loss += ((top + total.log() - target_logits) * token_weights[rows]).sum()
-            add_chunk_grads(exp, targets[rows], token_weights[rows] / temperature, h[rows], weight,
+            logp[rows] = target_logits - top - total.log()
+            # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient with scale -g / T
+            add_chunk_grads(exp, targets[rows], -loss_grad[rows] / temperature, h[rows], weight,
                             None if grad_h is None else grad_h[rows], grad_w, total=total)
-        ctx.grads, ctx.h_dtype, ctx.w_dtype = (grad_h, grad_w), h.dtype, weight.dtype
-        return loss
+        ctx.grads, ctx.loss_grad, ctx.h_dtype, ctx.w_dtype = (grad_h, grad_w), loss_grad, h.dtype, weight.dtype
+        return logp
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_logp):
+        if not torch.allclose(grad_logp, ctx.loss_grad, rtol=1e-5, atol=0.0):
+            raise RuntimeError("fast_logprobs made its gradients for loss_grad, but the loss sent back another gradient: "
+                               "pass as loss_grad what the loss sends back (its d loss / d logp), or use plain_logprobs")
         grad_h, grad_w = ctx.grads
-        del ctx.grads  # in place below: a second backward pass through the same forward would scale them twice
-        return (None if grad_h is None else grad_h.mul_(grad_loss).to(ctx.h_dtype),
-                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None, None, None)
+        del ctx.grads  # they are handed over once: a second backward pass through the same forward has none
+        return (None if grad_h is None else grad_h.to(ctx.h_dtype),
+                None if grad_w is None else grad_w.to(ctx.w_dtype), None, None, None, None)
+
+
+def micro_batches(lengths, max_rows, max_tokens):
+    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
+    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
+    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
+    batches, batch, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, n)
+    return batches + [batch] if batch else batches
 
 
 class SharedPrefix:

@@ -10,12 +10,13 @@ Tokenizer-agnostic: with byte-level BPE, `<<`, `=` and `>>` merge with their nei
 
     OUT --'<'--> LT --'<'--> IN --'='--> OUT, a call if the '=' ends its token
                  LT --other--> OUT          IN --newline or '>'--> OUT (an annotation is one line)
+                                            IN --'<'--> LT (`<<<` ends at LT, `<<<<` IN: an even run opens a call)
 
-Each token's effect on the automaton is a (vocabulary, 3) table built once per tokenizer, so a decode
-step looks a row's next state up on the device: rows that are not calling cost no Python work. A '='
-followed by more text in the same token (BPE's `=$`) means the model wrote a result itself: no call.
-A step where some rows call the tool costs one more host sync for all of them together, and their
-forced tokens wait in a (rows, MAX_FORCED) buffer on the device, read one per step.
+Each token's effect on the automaton is a (vocabulary, 3) table built once per tokenizer, so at each
+position the engine looks a row's next state up on the device: rows that are not calling cost no Python
+work. A '=' followed by more text in the same token (BPE's `=$`) means the model wrote a result itself: no
+call. A position where some rows call the tool costs one more host sync for all of them together, and their
+result tokens wait in a (rows, MAX_FORCED) queue on the device, fed one per position.
 A refused expression (calculate returns None: `<<2+x=`, `<<7//2=`) forces nothing: the row goes on
 as it would with no tool at all, writing its own result, and the refusal is counted (`errors`).
 A row that opens `<<` and never writes `=` simply continues.
@@ -60,7 +61,7 @@ def call_tables(tokenizer, device):
 
 class ToolCalls:
     """
-    The call state of one generate_batch call's rows (B of them), all on the device, in batch order
+    The call state of one Engine.generate call's rows (B of them), all on the device, in batch order
     (permuted with the rows when the batch is compacted: keep_rows), plus, on the host, the calls and
     refusals of each original row.
     """
@@ -69,21 +70,21 @@ class ToolCalls:
         self.tool, self.tokenizer = tool, tokenizer
         self.next_state, self.fires = tables
         self.state = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.opened_at = torch.zeros(num_rows, dtype=torch.long, device=device)  # step of the token with the call's first '<'
-        self.forced = torch.zeros(num_rows, MAX_FORCED, dtype=torch.long, device=device)  # a row's pending forced tokens
-        self.forced_len = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.forced_pos = torch.zeros(num_rows, dtype=torch.long, device=device)  # the next one to feed
+        self.opened_at = torch.zeros(num_rows, dtype=torch.long, device=device)  # position of the token with the call's first '<'
+        self.queue = torch.zeros(num_rows, MAX_FORCED, dtype=torch.long, device=device)  # a row's result tokens to feed
+        self.queue_len = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.queue_pos = torch.zeros(num_rows, dtype=torch.long, device=device)  # the next one to feed
         self.calls, self.errors = [0] * num_rows, [0] * num_rows  # per original row: calls made, and of them refused
 
-    def step(self, t, token, running):
+    def feed(self, t, token, running):
         """
-        token (B,) as sampled at step t -> (token with forced tokens in place, forced (B,) bool, called (B,) bool):
-        called = the row's token ended a call (the result is forced from step t + 1, once answer() has run).
+        token (B,) as sampled at position t -> (token with forced tokens in place, forced (B,) bool, called (B,) bool):
+        called = the row's token ended a call (the result is forced from position t + 1, once answer() has run).
         """
-        forced = self.forced_pos < self.forced_len
-        pending = self.forced.gather(1, self.forced_pos.clamp(max=MAX_FORCED - 1)[:, None])[:, 0]
+        forced = self.queue_pos < self.queue_len
+        pending = self.queue.gather(1, self.queue_pos.clamp(max=MAX_FORCED - 1)[:, None])[:, 0]
         token = torch.where(forced, pending, token)
-        self.forced_pos += forced
+        self.queue_pos += forced
         # the automaton reads every token, forced ones too (a result and ">>" leave it OUT)
         before = self.state
         self.state = self.next_state[token, before]
@@ -93,15 +94,15 @@ class ToolCalls:
 
     def answer(self, t, called, row_ids, out):
         """
-        Run the tool for the rows whose token ended a call at step t (one host sync for all of them): decode
-        each row's text from its call's first '<' (out[s, row] is original row `row`'s token at step s; row_ids:
-        each batch slot's original row), take what follows the last '<<' up to the '=', and queue the result
-        and '>>' as the row's forced tokens.
+        Run the tool for the rows whose token ended a call at position t (one host sync for all of them): decode
+        each row's text from its call's first '<' (out[s, row] is original row `row`'s token s; row_ids: each
+        batch slot's original row), take what follows the last '<<' up to the '=', and queue the result and '>>'
+        as the row's next tokens.
         """
         slots = called.nonzero()[:, 0]
         starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
         spans = out[:t + 1, row_ids[slots]].T.tolist()
-        answered, forced, lengths = [], [], []
+        answered, queued, queue_lens = [], [], []
         for slot, start, row, span in zip(slots.tolist(), starts, originals, spans):
             text = self.tokenizer.decode(span[start:])
             result = self.tool(text[text.rfind("<<") + 2:-1])
@@ -112,16 +113,16 @@ class ToolCalls:
             ids = self.tokenizer.encode(result + ">>")
             assert len(ids) <= MAX_FORCED, f"a tool result of {len(ids)} tokens: raise MAX_FORCED"
             answered.append(slot)
-            forced.append(ids + [0] * (MAX_FORCED - len(ids)))
-            lengths.append(len(ids))
-        if answered:  # one copy to the device for all of the step's answers
-            device = self.forced.device
+            queued.append(ids + [0] * (MAX_FORCED - len(ids)))
+            queue_lens.append(len(ids))
+        if answered:  # one copy to the device for all of this position's answers
+            device = self.queue.device
             index = torch.tensor(answered, device=device)
-            self.forced[index] = torch.tensor(forced, device=device)
-            self.forced_len[index] = torch.tensor(lengths, device=device)
-            self.forced_pos[index] = 0
+            self.queue[index] = torch.tensor(queued, device=device)
+            self.queue_len[index] = torch.tensor(queue_lens, device=device)
+            self.queue_pos[index] = 0
 
     def keep_rows(self, order):
         """The batch was compacted: slot i now holds old slot order[i]."""
-        for name in ("state", "opened_at", "forced", "forced_len", "forced_pos"):
+        for name in ("state", "opened_at", "queue", "queue_len", "queue_pos"):
             setattr(self, name, getattr(self, name)[order])

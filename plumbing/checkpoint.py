@@ -29,9 +29,9 @@ from policy.gpt import GPT
 from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
-# (--fsdp and --activation-checkpointing change where the memory goes, not the step's arithmetic)
+# (--fsdp and --activation-checkpointing change where the memory goes, --logprobs how the loss is computed, not what)
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
-              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing"}
+              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing", "logprobs"}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above plumbing/
 

@@ -30,8 +30,8 @@ def setup_distributed(device_type, fsdp=False):
     if world > 1 and not dist.is_initialized():
         # torchrun --max-restarts keeps one key-value store across the restarts of a group, and the
         # old group's rank addresses are still in it: a restarted rank can read a dead peer's address
-        # and fail ("connectFullMesh failed ... Connection refused", 4 of 6 tries in
-        # scripts/repro_gloo_restart.py) or wait on it. Each restart therefore gets keys of its own.
+        # and fail ("connectFullMesh failed ... Connection refused"; scripts/repro_gloo_restart.py shows it)
+        # or wait on it. Each restart therefore gets keys of its own.
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
@@ -69,17 +69,6 @@ def sync_gradients(model):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-
-def passes_on_every_rank(model, passes, device):
-    """How many forward/backward passes this rank runs for its `passes` micro-batches. Under FSDP each pass
-    is collective (all-gathers, reduce-scatters), so every rank runs as many as the busiest one; otherwise
-    its own count."""
-    if not is_sharded(model) or not dist.is_initialized():
-        return passes
-    most = torch.tensor(passes, device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most)
 
 
 class StopFlag:

@@ -115,6 +115,8 @@ def check_config(cfg, world_size):
         # a micro-batch never splits a row, so a row past the budget would run alone, over it, and slowly
         raise ConfigError(f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
                           f"one completion, without its prompt, may need more than a micro-batch holds")
+    if cfg.logprobs not in ("fast", "plain"):
+        raise ConfigError(f"unknown --logprobs {cfg.logprobs!r} (fast | plain)")
     if cfg.tool not in ("calculator", "none"):
         raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
     if cfg.task not in TASKS:

@@ -17,6 +17,7 @@ chat_rl.py, and the checkpoint folder (a Hugging Face folder of full fp32 weight
 adds for a sharded model:
   - gathered(): full weights for the whole rollout phase, so the engine's many small forwards (one
     per sampled token) do not all-gather every layer each time;
+  - match_passes(): as many loss passes on every rank, since each is collective, whatever each kept;
   - save_weights(): the Hugging Face weights file written by rank 0 from the shards, one tensor
     gathered at a time, never a second whole model;
   - save_optimizer() / restore_optimizer(): each rank's shard of the AdamW state in its own file
@@ -36,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from plumbing.distributed import is_sharded
@@ -59,6 +60,8 @@ def prepare(model, device, fsdp, activation_checkpointing):
     # the root holds what is left (embeddings, final norm, head: the tied head shares embed_tokens' shard);
     # it is needed again first thing in the backward pass, so it is not freed after the forward
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    # fast_logprobs calls hidden_states, not forward: FSDP gathers the root's weights (and sets itself up) for it too
+    register_fsdp_forward_method(model, "hidden_states")
     for unit in units(model):
         # chat_rl's loss is already divided by the step's global normaliser, so the step's gradient is the
         # SUM of the ranks' gradients (sync_gradients without FSDP), not FSDP's default mean over ranks;
@@ -90,6 +93,21 @@ def gathered(model):
         for unit in units(model):
             unit.reshard()
             unit.set_reshard_after_forward(unit is not model, recurse=False)  # as prepare() set them
+
+
+def match_passes(model, passes, logprobs, device):
+    """Under FSDP every forward/backward pass is collective (each layer's weights all-gathered, its gradients
+    reduce-scattered), so every rank must run as many as the busiest one. Called on every rank before its `passes`
+    (the count is one all-reduce, which must not meet another rank's pass): the passes this rank has fewer run
+    here, through the same `logprobs` as its real ones (the same collectives in the same order) over one token
+    that is no target, which adds exactly 0 to every gradient. Nothing to do without FSDP."""
+    if not is_sharded(model):
+        return
+    most = torch.tensor(passes, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    inputs, targets = torch.zeros(1, 1, dtype=torch.long, device=device), torch.full((1, 1), -1, device=device)
+    for _ in range(int(most) - passes):
+        logprobs(model, inputs, targets, 1.0, loss_grad=torch.zeros(1, 1, device=device)).sum().backward()
 
 
 def state_bytes(model, optimizer):

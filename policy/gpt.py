@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from policy.hf_folder import config_fields, read_json, read_weights, resolve_folder, write_config, write_weights
-from fast.logprobs import SharedPrefix, token_nll, weighted_nll
+from fast.logprobs import token_nll
 
 
 @dataclass
@@ -120,7 +120,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, rope, attn_mask, kv_cache):
+    def forward(self, x, rope, attn_mask, layout):
+        """x (B, T, C) -> (B, T, C); layout: None for plain causal attention, else GPT.hidden_states' protocol."""
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
@@ -135,14 +136,14 @@ class Attention(nn.Module):
         # cache holds bf16 keys instead of fp32 ones
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk.split([H, self.n_kv_head], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
-        if kv_cache is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
+        if layout is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             # k and v are views into the fused projections: saved as they are for the backward pass, they would keep
             # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
             y = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif attn_mask is None:  # the cache knows where the keys are: a decode step (kv_cache.KVCache), SharedPrefix
-            y = kv_cache.attend(self.layer_idx, q, k, v)
-        else:  # prefill with the KV cache and a boolean padding mask (B, 1, T, T), once per prompt
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
+        elif attn_mask is None:  # the layout knows where the keys are (a decode step, SharedPrefix): it attends
+            y = layout.attend(self.layer_idx, q, k, v)
+        else:  # the sampler's prefill: its keys and values kept by the cache, a boolean padding mask (B, 1, T, T)
+            k, v = layout.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
             # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
             # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
             g = self.n_head // self.n_kv_head
@@ -200,8 +201,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, attn_mask, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, kv_cache)
+    def forward(self, x, rope, attn_mask, layout):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -266,70 +267,64 @@ class GPT(nn.Module):
         angles = positions.float()[:, None, :, None] * self.inv_freq.float()
         return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, prefix=None,
-                temperature=1.0, token_weights=None):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, temperature=1.0):
         """
-        idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1.
-        With a cache (see kv_cache.KVCache), rows may be left-padded: the cache hands over each row's
-        RoPE rotations and, for the prefill, the mask that skips its padding; a decode step (one token
-        per row) attends through the cache, which knows where the row's keys are. Only the last
-        position's logits (B, 1, V) are returned, all the sampler needs.
-        targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
-        loss_reduction='none' (0 where ignored), the mean over valid tokens with 'mean',
-        or logits (B, T, V) when targets is None.
-        prefix: (ids (G, P) right-padded, lengths (G,), row_prefix (B,)) for training on samples that share
-        prompts: idx then holds each row's own part only, and row b continues prefix row_prefix[b] at
-        position lengths[row_prefix[b]] (see logprobs.SharedPrefix); each prefix runs once. Needs targets.
-        logits_per_chunk: the loss projects at most this many logits at once (2**24 fp32 = 64 MiB; see logprobs.token_nll).
-        temperature: with targets, the NLL is of softmax(logits / temperature), the distribution RL's rollouts
-        sampled from; supervised training keeps 1.
-        token_weights: (B, T) with targets: returns sum of token_weights * NLL over the valid tokens instead, its
-        gradients made in the same pass over the logits (logprobs.weighted_nll: the backward projects nothing again).
+        idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1, and the logits of every
+        position come back (B, T, V). With a cache (fast/kv_cache.KVCache, the sampler's), rows may be left-padded
+        and only the last position's logits (B, 1, V) come back, all the sampler needs.
+        targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with loss_reduction='none'
+        (0 where ignored) or the mean over valid tokens with 'mean', of softmax(logits / temperature); the logits
+        are projected at most logits_per_chunk at a time (fast/logprobs.token_nll).
         """
-        if prefix is not None:  # one flat sequence: the prefixes, then the rows' own tokens (SharedPrefix)
-            assert targets is not None and kv_cache is None, "prefix is for the training loss"
-            ids, lengths, row_prefix = prefix
-            kv_cache = SharedPrefix(self.rope, ids, lengths, row_prefix, targets)
-            x = self.hidden_states(kv_cache.pack(ids, idx), kv_cache)[0, kv_cache.num_prefix_tokens:]  # (own tokens, C)
-            x = x[targets[kv_cache.own_real] >= 0]  # the positions with a target, in row-major order
-        else:
-            x = self.hidden_states(idx, kv_cache)
-            if targets is None:
-                # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
-                return self.lm_head(x[:, -1:] if kv_cache is not None else x)
-            x = x[targets >= 0]
-        # Project only the positions that have a target (completion tokens): prompt and padding positions
-        # would cost a (B, T, V) logit tensor for nothing.
+        x = self._hidden_states(idx, kv_cache)
+        if targets is None:
+            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
+            return self.lm_head(x[:, -1:] if kv_cache is not None else x)
+        # project only the positions that have a target: prompt and padding positions would cost logits for nothing
         valid = targets >= 0
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
-        if token_weights is not None:
-            return weighted_nll(x, self.lm_head.weight, targets[valid], token_weights[valid], chunk, temperature)
         nll = torch.zeros(targets.shape, device=x.device)
-        nll[valid] = token_nll(x, self.lm_head.weight, targets[valid], chunk, temperature)
+        nll[valid] = token_nll(x[valid], self.lm_head.weight, targets[valid], chunk, temperature)
         if loss_reduction == "none":
             return nll
         assert loss_reduction == "mean", f"unknown loss_reduction {loss_reduction!r}"
         return nll.sum() / valid.sum().clamp(min=1)
 
-    def hidden_states(self, idx, kv_cache=None):
-        """(B, T) token ids -> final-norm hidden states (B, T, C). kv_cache, if given, decides each token's position
-        and what its attention sees: a kv_cache.KVCache (sampling) or a SharedPrefix (the loss; it caches nothing)."""
+    def hidden_states(self, idx, layout=None):
+        """The final-norm hidden states, for a caller that applies the head itself (fast/logprobs.fast_logprobs);
+        under FSDP a forward method of its own (fsdp.prepare). forward calls _hidden_states instead: one FSDP forward
+        method inside another would reshard the root's weights as the inner one ends."""
+        return self._hidden_states(idx, layout)
+
+    def _hidden_states(self, idx, layout=None):
+        """
+        (B, T) token ids -> final-norm hidden states (B, T, C). Without a layout, row b's tokens sit at positions
+        0..T-1 and attend causally. A layout says otherwise: where each token sits and what its attention sees. Two
+        kinds speak its four methods: fast/kv_cache.KVCache (the sampler's: left-padded prompts, then one token a row
+        per pass) and fast/logprobs.SharedPrefix (the loss's: each prompt once for all its samples; it caches nothing):
+          rope_and_mask(T) -> (RoPE rotations of the pass's tokens, a mask or None), asked once a pass;
+          update(layer, k, v) -> the keys and values to attend to, under that mask, here: a pass with a mask
+              (the sampler's prefill) hands its keys and values over to be kept, and attends to what comes back;
+          attend(layer, q, k, v) -> the attention output: a pass without a mask leaves attention to the layout,
+              which knows where the keys are (a decode step's are in the cache; SharedPrefix's are in the pass);
+          advance(T): the pass is over; the next one's tokens come T positions later.
+        """
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
-        if kv_cache is None:
+        if layout is None:
             rope = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D/2, 2): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
-            rope, attn_mask = kv_cache.rope_and_mask(T)
+            rope, attn_mask = layout.rope_and_mask(T)
         for block in self.model.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
                 # one layer's activations alive at a time instead of all of them, for a second forward's cost
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, attn_mask, kv_cache, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, attn_mask, layout, use_reentrant=False)
             else:
-                x = block(x, rope, attn_mask, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(T)
+                x = block(x, rope, attn_mask, layout)
+        if layout is not None:
+            layout.advance(T)
         return self.model.norm(x)
 
     def num_params(self):

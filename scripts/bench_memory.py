@@ -23,7 +23,7 @@ row, not the T x T attention matrix, so the count scales with tokens. The README
 built from these figures.
 
 Log-prob pass (a row of scripts/bench_rollout.py's table): the peak of forward + backward of lm_head and
-the NLL alone, chunked as RL's loss runs it (logprobs.weighted_nll) or all logits at once.
+the log-probs alone, chunked as RL's loss runs them (logprobs.SampledLogprobs) or all logits at once.
 """
 
 import argparse
@@ -108,8 +108,9 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size
     before = resident_kb("VmRSS")
-    if kind == "chunked":  # what RL's loss does (GPT.forward with token_weights)
-        loss = logprobs.weighted_nll(h, weight, targets, torch.full((tokens,), 1.0 / tokens), max(1, 2 ** 24 // vocab))
+    if kind == "chunked":  # what RL's loss does (fast_logprobs' head)
+        loss_grad = torch.full((tokens,), -1.0 / tokens)
+        loss = (loss_grad * logprobs.SampledLogprobs.apply(h, weight, targets, loss_grad, max(1, 2 ** 24 // vocab), 1.0)).sum()
     else:  # the previous way: all (tokens, vocab) logits at once
         loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets)
     loss.backward()
@@ -117,7 +118,7 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
 
 
 def logprob_peak(kind, tokens, hidden, vocab):
-    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (logprobs.weighted_nll) or "unchunked"."""
+    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (logprobs.SampledLogprobs) or "unchunked"."""
     out = subprocess.run([sys.executable, "-m", "scripts.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return int(out.stdout.split()[-1])

@@ -26,7 +26,6 @@ import time
 import torch
 
 import chat_rl
-from fast import logprobs
 from engine import Engine
 from scripts import make_demo_model
 from policy.gpt import GPT, GPTConfig
@@ -111,14 +110,14 @@ def step_parts(model, n_prompts, samples, new_tokens):
     """
     Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
     chat_rl on the arith task; the update's FLOPs (update_work), their seconds at the GEMM rate beside it
-    (update_against_floor), the update with every sequence whole, and its weight matmuls alone
+    (update_against_floor), the update with plain_logprobs (every sequence whole, all logits at once), and its weight matmuls alone
     (update_matmul_seconds). A random model's answers are never right, so the verifier is a coin flip
     (coin_flip_grade): every group then has signal to train on.
     """
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     grade, arith.grade = arith.grade, coin_flip_grade
     engine = Engine(model, ByteTokenizer())
-    generate, generate_seconds = engine.generate_batch, []
+    generate, generate_seconds = engine.generate, []
 
     def timed_generate(*a, **kw):
         t0 = time.perf_counter()
@@ -126,7 +125,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
         generate_seconds.append(time.perf_counter() - t0)
         return result
 
-    engine.generate_batch = timed_generate
+    engine.generate = timed_generate
     try:
         rows = arith.load("train")[:n_prompts]
         model.eval()
@@ -137,20 +136,15 @@ def step_parts(model, n_prompts, samples, new_tokens):
         model.train()
         advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
 
-        def update():  # the loss's forward and backward passes, clipping and an AdamW step, as chat_rl.train runs them
+        def update(logprobs=chat_rl.fast_logprobs):  # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
             model.zero_grad(set_to_none=True)
             loss, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
-                                                           defaults["loss_norm"], "cpu",
+                                                           defaults["loss_norm"], "cpu", logprobs=logprobs,
                                                            device_batch_tokens=defaults["device_batch_tokens"])
             chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
 
-        def update_whole():  # the same with every sequence run whole, one row each (the layout before prompts were shared)
-            make_shared_batch = chat_rl.make_shared_batch
-            chat_rl.make_shared_batch = lambda seqs, masks, device: (None, *logprobs.make_batch(seqs, masks, device))
-            try:
-                update()
-            finally:
-                chat_rl.make_shared_batch = make_shared_batch
+        def update_whole():  # the same with plain_logprobs: every sequence whole, one row each, all logits at once
+            update(chat_rl.plain_logprobs)
 
         c = model.config
         kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))

@@ -10,7 +10,7 @@ chat_rl runs on CUDA; nothing is downloaded):
     env              device, torch, CUDA, bf16 support
     rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
     profile          torch.profiler over a few decode steps: wall ms vs GPU-busy ms per step (launch-bound?)
-    shared_loss      the shared-prompt loss (logprobs.SharedPrefix, masked SDPA) against whole sequences, bf16 and fp32
+    shared_loss      the loss's fast log-probs (fast_logprobs: each prompt once) against plain_logprobs, bf16 and fp32
     fsdp_loss        the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the whole model in fp32
     update           one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the matmul rate (target >= 75%)
 (shared_loss, fsdp_loss and update, the training pass's checks, are in scripts/gpu_check_training.py.)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import chat_rl
 from plumbing import fsdp
-from fast import logprobs
+from fast.logprobs import fast_logprobs
 from scripts.bench_rl_step import update_against_floor, update_work
 
 
@@ -34,16 +34,15 @@ def loss_rollouts(s, vocab):
 
 
 def loss_and_grad(s, model, sequences, masks, weights, shared, autocast):
-    """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and the seconds of forward + backward."""
+    """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and the seconds of forward
+    + backward: shared, chat_rl's fast path (each prompt once, fast_logprobs); else every sequence whole (plain_logprobs)."""
     model.zero_grad(set_to_none=True)
-    if shared:  # chat_rl's layout: each prompt once (logprobs.SharedPrefix)
-        prefix, inputs, targets = logprobs.make_shared_batch(sequences, masks, s.device)
-    else:  # every sequence whole, one row each
-        prefix, (inputs, targets) = None, logprobs.make_batch(sequences, masks, s.device)
+    inputs, targets = chat_rl.make_batch(sequences, masks, s.device)
+    logprobs = fast_logprobs if shared else chat_rl.plain_logprobs
 
     def run():
         with autocast():  # as policy_gradient_backward calls it
-            nll = model(inputs, targets, loss_reduction="none", prefix=prefix)
+            nll = -logprobs(model, inputs, targets, 1.0)
         (nll * weights[:, None]).sum().backward()
         return nll
 

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from calculator import calculate
-from fast.logprobs import make_batch
+from chat_rl import make_batch
 from policy.gpt import GPT, GPTConfig
 from tasks import arith
 from tasks.common import conversation
@@ -116,7 +116,7 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, tool_rat
     return model
 
 
-def measure(model, tokenizer, num_problems=200, samples=4, max_tokens=64):
+def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
     """Held-out accuracy and tool use, greedy and sampled at T = 1: the gaps between them are what RL can close."""
     from engine import Engine
     rows = arith.load("test", limit=num_problems)
@@ -126,10 +126,10 @@ def measure(model, tokenizer, num_problems=200, samples=4, max_tokens=64):
     # one batch per temperature (the seeded samples, and so the numbers, depend on the batch): the bar counts completions
     bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
-        seqs, _ = engine.generate_batch(prompts, n, max_tokens=max_tokens, temperature=temperature, seed=1)
+        seqs, _, calls, _ = engine.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, seed=1)
         texts = [tokenizer.decode(s[len(prompts[i // n]):]) for i, s in enumerate(seqs)]
         accuracy = sum(arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)) / len(texts)
-        scores[temperature] = (accuracy, sum(c > 0 for c in engine.tool_calls) / len(texts))
+        scores[temperature] = (accuracy, sum(c > 0 for c in calls) / len(texts))
         bar.update(len(texts))
     bar.close()
     return scores

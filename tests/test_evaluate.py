@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import chat_rl
+from engine import Samples
 from tasks import arith
 from tasks.common import conversation
 from policy.tokenizer import ByteTokenizer
@@ -15,7 +16,7 @@ GREEDY_RIGHT = [True, False, False, True]  # not sample 0's verdicts ([False, Tr
 
 
 class ScriptedEngine:
-    """Stands in for Engine.generate_batch: sample s of a problem answers right iff s < its RIGHT count."""
+    """Stands in for Engine.generate: sample s of a problem answers right iff s < its RIGHT count."""
 
     def __init__(self, problems):
         self.tokenizer = ByteTokenizer()
@@ -23,7 +24,7 @@ class ScriptedEngine:
                        for p, right, greedy in zip(problems, RIGHT, GREEDY_RIGHT)}
         self.temperatures = set()
 
-    def generate_batch(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, seed=0, include_stop=False):
+    def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0, include_stop=False):
         self.temperatures.add(temperature)
         sequences, masks = [], []
         for prompt in prompts:
@@ -34,8 +35,7 @@ class ScriptedEngine:
                 completion += sorted(self.tokenizer.stop_tokens)[:1] if include_stop else []
                 sequences.append(list(prompt) + completion)
                 masks.append([0] * len(prompt) + [1] * len(completion))
-        self.tool_calls, self.tool_errors = [0] * len(sequences), [0] * len(sequences)  # as Engine: no tool called
-        return sequences, masks
+        return Samples(sequences, masks, [0] * len(sequences), [0] * len(sequences))  # no tool called
 
 
 @pytest.fixture(scope="module")

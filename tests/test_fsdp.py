@@ -92,10 +92,10 @@ def _worker(rank, world, init_file, out_dir):
     with fsdp.gathered(model):
         gathered = len(calls)
         out["sharded inside"] = isinstance(model.model.layers[0].mlp.gate_up_proj.weight, DTensor)
-        engine.generate_batch([[256, 1, 2], [256, 7]], 2, max_tokens=8 if rank == 0 else 3, seed=rank)
+        engine.generate_batch([[256, 1, 2], [256, 7]], 2, max_new_tokens=8 if rank == 0 else 3, seed=rank)
         out["all-gathers"] = (gathered, len(calls) - gathered)
     out["sharded after"] = isinstance(model.model.layers[0].mlp.gate_up_proj.weight, DTensor)
-    engine.generate_batch([[256, 1, 2]], 1, max_tokens=4, seed=0)  # 4 forwards, sharded: for contrast
+    engine.generate_batch([[256, 1, 2]], 1, max_new_tokens=4, seed=0)  # 4 forwards, sharded: for contrast
     out["all-gathers without"] = len(calls) - sum(out["all-gathers"])
     dist.all_gather_single = all_gather
 

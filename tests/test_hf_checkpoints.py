@@ -59,7 +59,7 @@ def save_hf_model(tmp_path, family, **save_kwargs):
 
 
 class NoStopTokenizer:
-    """Engine's tokenizer double: no stop tokens, so every row runs max_tokens."""
+    """Engine's tokenizer double: no stop tokens, so every row runs max_new_tokens."""
     stop_tokens = set()
     vocab_size = VOCAB
 
@@ -108,7 +108,7 @@ def test_engine_greedy_equals_transformers_generate(tmp_path, family):
     path, hf = save_hf_model(tmp_path, family)
     engine = Engine(GPT.from_pretrained(path), NoStopTokenizer())
     prompts = [[5, 17, 42, 8, 9, 60, 3], [11, 2, 70]]  # unequal lengths: the engine left-pads the batch
-    sequences, _ = engine.generate_batch(prompts, num_samples=1, max_tokens=40, temperature=0.0)
+    sequences, _ = engine.generate_batch(prompts, num_samples=1, max_new_tokens=40, temperature=0.0)
     for prompt, ours in zip(prompts, sequences):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0)[0].tolist()
         assert len(theirs) == len(prompt) + 40

@@ -5,6 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fast.logprobs import SampledLogprobs
 from policy.gpt import GPT, GPTConfig
 
 
@@ -86,10 +87,11 @@ def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
         assert (grad_a[name] - grad_b[name]).abs().max() <= 3e-2 * grad_b[name].abs().max(), name
 
 
-def test_the_weighted_loss_has_the_weighted_nlls_value_and_gradients_and_projects_once():
-    # GPT.forward(token_weights=): sum of weight * NLL with the head's gradients made in the forward pass; equal to
-    # the per-token NLL weighted afterwards, at a temperature, in chunks (62 targets, 7 per chunk), and under bf16
-    # autocast to bf16 precision; its backward pass makes no (tokens, vocab) matmul
+def test_log_probs_told_their_gradient_give_the_weighted_nlls_value_and_gradients_and_project_once():
+    # fast_logprobs' head (SampledLogprobs): log-probs whose gradients, for the loss_grad it is told, are made in the
+    # forward pass; the loss sum of weight * NLL through it equals the per-token NLL weighted afterwards, at a
+    # temperature, in chunks (62 targets, 7 per chunk), and under bf16 autocast to bf16 precision; its backward pass
+    # makes no (tokens, vocab) matmul
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class LogitMatmuls(TorchDispatchMode):
@@ -110,7 +112,10 @@ def test_the_weighted_loss_has_the_weighted_nlls_value_and_gradients_and_project
             model = small_model()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 if fused:
-                    loss = model(idx, targets, logits_per_chunk=7 * 500, temperature=0.7, token_weights=weights)
+                    valid = targets >= 0
+                    logp = SampledLogprobs.apply(model.hidden_states(idx)[valid], model.lm_head.weight, targets[valid],
+                                                 -weights[valid], 7, 0.7)  # d loss / d logp
+                    loss = -(weights[valid] * logp).sum()
                 else:
                     loss = (model(idx, targets, loss_reduction="none", logits_per_chunk=7 * 500, temperature=0.7) * weights).sum()
             with LogitMatmuls() as matmuls:

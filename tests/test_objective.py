@@ -16,7 +16,6 @@ import torch.multiprocessing as mp
 import chat_rl
 from plumbing import checkpoint
 from plumbing import flags
-from policy import gpt
 from fast import logprobs
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
@@ -90,7 +89,7 @@ def kept_rows(advantages):
 
 def reference_backward(model, sequences, masks, advantages, loss_norm, temperature):
     """The loss written out over every row, the unanimous groups' included, each sequence whole."""
-    inputs, targets = logprobs.make_batch(sequences, masks, "cpu")
+    inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     logp = direct_logp(model, inputs, targets, temperature)
     tokens = (targets >= 0).sum(dim=1)
     kept = kept_rows(advantages)
@@ -109,11 +108,12 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
     sequences, masks = rollouts()
     advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)
     model, reference = small_model(), small_model()
-    passes, nll = [], gpt.weighted_nll
-    monkeypatch.setattr(gpt, "weighted_nll", lambda h, w, t, weights, chunk, temperature: passes.append((h.size(0), temperature))
-                        or nll(h, w, t, weights, 3, temperature))
+    monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 3 * V)  # the head in chunks of 3 tokens
+    passes, fast = [], logprobs.fast_logprobs
+    counted = lambda model, inputs, targets, temperature, loss_grad: passes.append(((targets >= 0).sum(), temperature)) or fast(
+        model, inputs, targets, temperature, loss_grad)  # noqa: E731
     loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 3, loss_norm, "cpu",
-                                                    temperature=T)
+                                                    temperature=T, logprobs=counted)
     expected = reference_backward(reference, sequences, masks, advantages, loss_norm, T)
     assert len(passes) == 2 and all(n > 3 and t == T for n, t in passes)  # two micro-batches, several chunks each
     assert tokens == sum(sum(m[1:]) for m, kept in zip(masks, kept_rows(advantages)) if kept)
@@ -122,17 +122,18 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
 
 
 class LinearNLLModel(torch.nn.Module):
-    """Test double: NLL of target token t is w * t (0 where ignored); counts the rows it is given."""
+    """Test double: log p of target token t is -w * t (0 where ignored); counts the rows it is given."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor(1.0))
         self.rows = 0
 
-    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0, token_weights=None):
-        self.rows += idx.size(0)
-        nll = torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
-        return nll if token_weights is None else (nll * token_weights).sum()  # GPT.forward's two reductions
+
+def linear_logprobs(model, inputs, targets, temperature, loss_grad=None):
+    """chat_rl.plain_logprobs' place for the double above: the log-probs are linear in w."""
+    model.rows += inputs.size(0)
+    return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 
 
 # group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5]; groups 1 and 2 unanimous
@@ -150,7 +151,8 @@ HAND_REWARDS = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 def test_each_normaliser_divides_by_what_its_name_says(loss_norm, expected):
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(HAND_REWARDS, num_samples=2)
-    loss, tokens = chat_rl.policy_gradient_backward(model, HAND_SEQS, HAND_MASKS, adv, 2, 8, loss_norm, "cpu")
+    loss, tokens = chat_rl.policy_gradient_backward(model, HAND_SEQS, HAND_MASKS, adv, 2, 8, loss_norm, "cpu",
+                                                    logprobs=linear_logprobs)
     assert loss.item() == pytest.approx(expected)
     assert model.w.grad.item() == pytest.approx(expected)  # the loss is linear in w, and w = 1
     assert model.rows == 2 and tokens == 5  # the unanimous groups never reach the model, whatever the normaliser

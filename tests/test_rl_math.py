@@ -16,22 +16,24 @@ from plumbing.metrics import check_nonfinite
 
 
 class LinearNLLModel(torch.nn.Module):
-    """Test double: NLL of target token t is w * t (0 where ignored); counts forward passes and rows."""
+    """Test double: log p of target token t is -w * t (0 where ignored); counts forward passes and rows."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor(1.0))
         self.calls, self.rows = 0, 0
 
-    def forward(self, idx, targets, loss_reduction="none", prefix=None, temperature=1.0, token_weights=None):
-        self.calls += 1
-        self.rows += idx.size(0)
-        nll = torch.where(targets >= 0, self.w * targets.float(), torch.zeros(()))
-        return nll if token_weights is None else (nll * token_weights).sum()  # GPT.forward's two reductions
+
+def linear_logprobs(model, inputs, targets, temperature, loss_grad=None):
+    """chat_rl.plain_logprobs' place for the double above: the log-probs are linear in w."""
+    model.calls += 1
+    model.rows += inputs.size(0)
+    return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 
 
 def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="kept_tokens"):
-    return chat_rl.policy_gradient_backward(model, SEQS, MASKS, advantages, num_samples, device_batch_size, loss_norm, "cpu")
+    return chat_rl.policy_gradient_backward(model, SEQS, MASKS, advantages, num_samples, device_batch_size, loss_norm, "cpu",
+                                            logprobs=linear_logprobs)
 
 
 # two groups of two samples; sequences are prompt + completion, mask 1 on completion tokens
@@ -114,7 +116,7 @@ def test_remainder_rows_get_their_own_micro_batch():
 
 
 def test_targets_exclude_prompt_and_padding_tokens():
-    inputs, targets = logprobs.make_batch([[5, 6, 7, 8], [5, 9]], [[0, 0, 1, 1], [0, 1]], "cpu")
+    inputs, targets = chat_rl.make_batch([[5, 6, 7, 8], [5, 9]], [[0, 0, 1, 1], [0, 1]], "cpu")
     # row 0: inputs 5 6 7 predict 6 (prompt: -1), 7, 8; row 1: input 5 predicts 9, then padding
     assert inputs.tolist() == [[5, 6, 7], [5, 0, 0]]
     assert targets.tolist() == [[-1, 7, 8], [9, -1, -1]]
@@ -155,7 +157,8 @@ def test_token_budget_does_not_change_the_loss_or_gradient():
     results = []
     for budget in (math.inf, 3):  # 3 tokens: every row alone (targets of 2, 2, 3 and 4 positions)
         model = LinearNLLModel()
-        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "kept_tokens", "cpu", device_batch_tokens=budget)
+        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "kept_tokens", "cpu", device_batch_tokens=budget,
+                                                   logprobs=linear_logprobs)
         results.append((loss.item(), model.w.grad.item(), model.calls))
     assert results[0][:2] == pytest.approx(results[1][:2]) and (results[0][2], results[1][2]) == (1, 4)
 

@@ -56,6 +56,14 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     assert seen == {0, 2, 3, 4}  # 2 is the 2nd largest; all three 2.0s stay in
 
 
+def test_top_k_walks_its_candidates_in_vocabulary_order():
+    # top-2 of [0, 2, 1, 3, 0] keeps tokens 1 and 3, e^2 : e^3: token 1 holds u in [0, 0.269), token 3 the rest,
+    # as on the paths that walk the whole vocabulary (a tie at the k-th, CUDA) and in engine.sample_reference
+    logits = torch.tensor([[0.0, 2.0, 1.0, 3.0, 0.0]])
+    drawn = [int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2)) for u in (0.0, 0.1, 0.26, 0.28, 0.5, 0.99)]
+    assert drawn == [1, 1, 1, 3, 3, 3]
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(3))
     assert torch.equal(sample_next_token(logits, torch.rand(5), 0.0, top_k=10), logits.argmax(dim=-1))

@@ -18,7 +18,7 @@ STOP = 260  # <|assistant_end|> of the byte tokenizer
 
 class ScriptedModel(torch.nn.Module):
     """
-    A policy that writes a fixed text per row, whatever the tokenizer: at each step it reads the row's
+    A policy that writes a fixed text per row, whatever the tokenizer: at each position it reads the row's
     text so far (its tokens as fed back to it, forced ones included) and puts a large logit on the
     longest token that continues its script; once the script is written (or the text has left it) it
     says stop. Underneath, a tiny random GPT runs the KV cache exactly as a real policy would, and
@@ -80,10 +80,10 @@ def test_results_are_forced_masked_zero_and_counted():
     scripts = ["<<3*4=12>>12\n#### 12", "7-2=5\n#### 5", "<<10/4=2.5>>2.5 and <<2.5*2=5>>5\n#### 5"]
     model = ScriptedModel(tok, scripts, 1, STOP)
     engine = Engine(model, tok, tool=calculate)
-    seqs, masks = engine.generate_batch([PROMPT] * 3, 1, 64, temperature=1.0, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, temperature=1.0, seed=0)
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
     assert [forced_text(tok, s, m) for s, m in zip(seqs, masks)] == ["12>>", "", "2.5>>5>>"]
-    assert engine.tool_calls == [1, 0, 2] and engine.tool_errors == [0, 0, 0]
+    assert calls == [1, 0, 2] and errors == [0, 0, 0]
     # what the loss trains on (mask 1) is the model's own text: the results are not in it
     sampled = [tok.decode([t for t, m in zip(s, k) if m]) for s, k in zip(seqs, masks)]
     assert sampled[0] == "<<3*4=12\n#### 12"
@@ -100,22 +100,22 @@ def test_a_refused_expression_forces_nothing_and_is_counted():
     tok = ByteTokenizer()
     scripts = ["<<2+x=5>>5\n#### 5", "<<7//2=3>>3", "<<1/0=0>>"]
     engine = Engine(ScriptedModel(tok, scripts, 1, STOP), tok, tool=calculate)
-    seqs, masks = engine.generate_batch([PROMPT] * 3, 1, 64, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, seed=0)
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
     assert all(all(m[len(PROMPT):]) for m in masks)
-    assert engine.tool_calls == [1, 1, 1] and engine.tool_errors == [1, 1, 1]
+    assert calls == [1, 1, 1] and errors == [1, 1, 1]
 
 
 def test_an_unclosed_call_simply_continues():
     tok = ByteTokenizer()
     scripts = ["<<3*4 is twelve\n#### 12", "<<3*4"]
     engine = Engine(ScriptedModel(tok, scripts, 1, STOP), tok, tool=calculate)
-    seqs, masks = engine.generate_batch([PROMPT] * 2, 1, 32, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 2, 1, 32, seed=0)
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
-    assert engine.tool_calls == [0, 0] and engine.tool_errors == [0, 0]
+    assert calls == [0, 0] and errors == [0, 0]
 
 
-def test_forced_tokens_count_toward_max_tokens():
+def test_forced_tokens_count_toward_max_new_tokens():
     tok = ByteTokenizer()
     engine = Engine(ScriptedModel(tok, ["<<99*99=9801>>9801"], 1, STOP), tok, tool=calculate)
     seqs, masks = engine.generate_batch([PROMPT], 1, 9, seed=0)  # "<<99*99=" is 8 tokens, then 1 forced
@@ -123,21 +123,21 @@ def test_forced_tokens_count_toward_max_tokens():
 
 
 def test_rows_mid_call_survive_compaction():
-    # 16 rows that stop at different steps (compaction at every step it can), some inside a call or a
+    # 16 rows that stop at different positions (compaction at every position it can), some inside a call or a
     # forced result when their neighbours leave: every row's text and mask must be as if alone
     tok = ByteTokenizer()
     # (a prompt's samples share their first token, drawn from the prefill: every script starts with "So")
     scripts = ["So" + " " * (i % 5) + f"<<{i}*3={i * 3}>>{i * 3}" + ("\n" if i % 2 else " and <<1+1=2>>2") for i in range(16)]
-    kw = dict(num_samples=4, max_tokens=40, temperature=1.0, seed=0)
+    kw = dict(num_samples=4, max_new_tokens=40, temperature=1.0, seed=0)
     prompts = [PROMPT[:2] + [65 + p] + PROMPT[3:] for p in range(4)]
     together = Engine(ScriptedModel(tok, scripts, 4, STOP), tok, compact_at=0.0, tool=calculate)
-    seqs, masks = together.generate_batch(prompts, **kw)
+    seqs, masks, calls, _ = together.generate(prompts, **kw)
     assert [completion(tok, s, prompts[i // 4]) for i, s in enumerate(seqs)] == scripts
     for i, (s, m) in enumerate(zip(seqs, masks)):
         alone = Engine(ScriptedModel(tok, [scripts[i]], 1, STOP), tok, tool=calculate)
         a, am = alone.generate_batch([prompts[i // 4]], 1, 40, seed=0)
         assert (s, m) == (a[0], am[0])
-    assert together.tool_calls == [1 if i % 2 else 2 for i in range(16)]
+    assert calls == [1 if i % 2 else 2 for i in range(16)]
 
 
 def test_rows_that_never_call_sample_bit_for_bit_as_with_the_tool_off():
@@ -146,11 +146,10 @@ def test_rows_that_never_call_sample_bit_for_bit_as_with_the_tool_off():
     model = GPT(GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)).init_weights(3).eval()
     prompts = [[256, 72, 105, 33], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256, 60, 60, 61]]
-    kw = dict(num_samples=8, max_tokens=40, temperature=1.5, seed=4, include_stop=True)
-    off = Engine(model, ByteTokenizer()).generate_batch(prompts, **kw)
-    engine = Engine(model, ByteTokenizer(), tool=calculate)
-    on = engine.generate_batch(prompts, **kw)
-    assert on == off and sum(engine.tool_calls) == 0
+    kw = dict(num_samples=8, max_new_tokens=40, temperature=1.5, seed=4, include_stop=True)
+    off = Engine(model, ByteTokenizer()).generate(prompts, **kw)
+    on = Engine(model, ByteTokenizer(), tool=calculate).generate(prompts, **kw)
+    assert on == off and sum(on.tool_calls) == 0
 
 
 def bpe_folder(tmp_path):
@@ -179,9 +178,9 @@ def test_calls_work_with_a_bpe_tokenizer_whose_tokens_merge_across_the_syntax(tm
     prompt = tok.encode("Q")
     stop = min(tok.stop_tokens)
     engine = Engine(ScriptedModel(tok, scripts, 1, stop), tok, tool=calculate)
-    seqs, masks = engine.generate_batch([prompt] * 3, 1, 64, seed=0)
+    seqs, masks, calls, _ = engine.generate([prompt] * 3, 1, 64, seed=0)
     assert [tok.decode(s[len(prompt):]) for s in seqs] == scripts
-    assert engine.tool_calls == [1, 1, 1]
+    assert calls == [1, 1, 1]
     assert [forced_text(tok, s, k, prompt) for s, k in zip(seqs, masks)] == ["0.2>>", "12>>", "24>>"]
 
 

@@ -124,8 +124,8 @@ def assert_snippet_matches_engine(path, namespace, printed):
     """The snippet's prompt ids, completion ids (its stop token included) and printed text are chat_rl's."""
     tokenizer, model = load_tokenizer(path), GPT.from_pretrained(path).eval()
     prompt = tokenizer.render_for_completion({"messages": namespace["messages"]})
-    max_tokens = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
-    sequences, masks = Engine(model, tokenizer).generate_batch([prompt], max_tokens=max_tokens, temperature=0.0, include_stop=True)
+    max_new_tokens = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
+    sequences, masks = Engine(model, tokenizer).generate_batch([prompt], max_new_tokens=max_new_tokens, temperature=0.0, include_stop=True)
     completion = sequences[0][len(prompt):]
     assert masks[0] == [0] * len(prompt) + [1] * len(completion)
     assert namespace["inputs"]["input_ids"][0].tolist() == prompt
