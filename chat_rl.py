@@ -82,7 +82,7 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           64,            "completion budget; a cut-off answer has no final answer: 0"),
+    max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer scores 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
@@ -187,16 +187,17 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 def policy_gradient_loss(logp, sampled, advantages, normaliser):
     """Step 5's objective on a micro-batch: -(sum over sampled tokens of advantage * logp) / normaliser. logp (B, T):
     each token's log-probability at the sampling temperature; sampled (B, T): True where the policy drew the token
-    (not prompt, tool result, padding); advantages (B,); normaliser: a number, or (B, 1) for --loss-norm=sequence."""
+    (not prompt, tool result, padding); advantages (B,); normaliser: a number, or (B, 1) for --loss-norm=sequence.
+    Change it and change loss_grad below with it: the fast path made its gradients for that, and says so if not."""
     return -(advantages[:, None] * logp * sampled / normaliser).sum()
 
 
-def plain_logprobs(model, inputs, targets, temperature, loss_grad=None):
-    """log p(target) under softmax(logits / temperature), the distribution the rollout drew from; 0 where targets
-    is -1. All (B, T, V) logits at once: the version to read (--logprobs=plain). fast/logprobs.fast_logprobs, the
-    default, gives the same numbers with each prompt run once, the head in chunks, and its gradient made in the
-    forward pass from loss_grad, what the loss will send back to logp (autograd here needs no such hint)."""
-    logits = model(inputs).float() / temperature  # (B, T, V)
+def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
+    """log p(target) under softmax(logits / temperature) over the tokenizer's vocab_size (rows past it pad the
+    embedding: never sampled), the distribution the rollout drew from; 0 where targets is -1. All (B, T, V) logits
+    at once (--logprobs=plain). fast/logprobs.fast_logprobs, the default, gives the same numbers with each prompt run
+    once, the head in chunks, and its gradient made in the forward pass from loss_grad (unused here)."""
+    logits = model(inputs)[..., :vocab_size].float() / temperature  # (B, T, V)
     logp = logits.log_softmax(dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     return torch.where(targets >= 0, logp, 0.0)
 
@@ -213,40 +214,38 @@ def make_batch(sequences, masks, device):
 
 
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
-                             autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs):
+                             autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
+                             vocab_size=None):
     """
     Accumulate the gradient of policy_gradient_loss over this rank's completions into .grad; returns (loss, sampled
-    tokens of the kept groups on all ranks). loss_norm names the normaliser, counted on all ranks (one all-reduce),
-    so that micro-batching and the number of ranks leave the loss unchanged:
-      all_tokens:  every sampled token of the step on all ranks, the dropped groups' too (the default; TRL's "dapo");
-      kept_tokens: the sampled tokens of the kept groups (DAPO's);
-      sequence:    the step's completions, each one's sum first divided by its own sampled tokens (GRPO's).
-    Groups with all-zero advantages add 0 and are dropped before any forward pass (under all_tokens and sequence a
-    pure saving). The loss's value is a diagnostic, negative once better completions are the likelier.
+    tokens of the kept groups on all ranks). The normaliser, counted on all ranks so that micro-batches and ranks
+    leave the loss unchanged, is per loss_norm: all_tokens, every sampled token of the step, the dropped groups' too
+    (the default; TRL's "dapo"); kept_tokens, those of the kept groups (DAPO's); sequence, the step's completions,
+    each one's sum first divided by its own sampled tokens (GRPO's). Unanimous groups add 0: dropped before any pass.
     """
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
-    # a group's rows side by side (fast_logprobs runs their prompt once), groups of similar prompt length and rows
-    # of similar length together (less padding)
-    keep.sort(key=lambda i: (next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i])), i // num_samples,
-                             len(sequences[i])))
+    # sorted by prompt length (up to the first sampled token), group, length: a group's rows side by side (the
+    # fast path runs their prompt once), rows of similar length together (less padding)
+    prompt_length = lambda i: next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))  # noqa: E731
+    keep.sort(key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
     # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
     local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
     normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
-    loss_sum = torch.zeros((), device=device)
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
-        return loss_sum, 0
+        return torch.zeros((), device=device), 0
     # at most device_batch_size rows and device_batch_tokens tokens a pass, rows counted whole (rows x longest row)
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
     fsdp.match_passes(model, len(batches), logprobs, device)  # under --fsdp a pass is collective: ranks run alike many
+    loss_sum = torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         sampled, adv = targets >= 0, advantages[rows].to(device)
         norm = normaliser * sampled.sum(dim=1, keepdim=True).clamp(min=1) if loss_norm == "sequence" else normaliser
         with autocast:  # the loss is linear in logp: its gradient there, loss_grad, is known before the forward pass
-            logp = logprobs(model, inputs, targets, temperature, loss_grad=-(adv[:, None] / norm) * sampled)
+            logp = logprobs(model, inputs, targets, temperature, loss_grad=-(adv[:, None] / norm) * sampled, vocab_size=vocab_size)
         loss = policy_gradient_loss(logp, sampled, adv, norm)
         loss.backward()
         loss_sum += loss.detach()
@@ -359,7 +358,8 @@ def train(cfg, rank, world, device):
         loss, valid_tokens = policy_gradient_backward(                                                    # 5.
             model, out["sequences"], out["masks"], advantages, num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
             device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
-            autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs)
+            autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
+            vocab_size=tokenizer.vocab_size)
         sync_gradients(model)                                                                           # 6.
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0

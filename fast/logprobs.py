@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 
-def fast_logprobs(model, inputs, targets, temperature, loss_grad=None):
+def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
     """
     chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out -> logp (B, T) fp32, the
-    log-probability under softmax(logits / temperature) of each target, 0 where targets is -1.
+    log-probability under softmax(logits / temperature) of each target, 0 where targets is -1, the softmax over the
+    head's first vocab_size rows (None: all of them).
     loss_grad (B, T): the gradient the loss will send back to logp (for chat_rl's loss, -advantage / normaliser
     on each sampled token). Given, the head's gradients are made in the forward pass, and the backward pass checks
     that what arrives is that gradient; None: the head is projected again in the backward pass (token_nll).
@@ -33,7 +34,8 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None):
     h = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)[0, layout.num_prefix_tokens:]  # (own tokens, C)
     h = h[own_targets[layout.own_real] >= 0]  # the positions with a target, row-major: targets[sampled]'s order
     sampled = targets >= 0
-    weight, chunk = model.lm_head.weight, max(1, LOGITS_PER_CHUNK // model.lm_head.weight.size(0))
+    weight = model.lm_head.weight[:vocab_size]  # rows past the tokenizer's vocabulary pad the embedding: never sampled
+    chunk = max(1, LOGITS_PER_CHUNK // weight.size(0))
     if loss_grad is None:
         logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
     else:

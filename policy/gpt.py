@@ -140,7 +140,7 @@ class Attention(nn.Module):
             # k and v are views into the fused projections: saved as they are for the backward pass, they would keep
             # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
             y = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif attn_mask is None:  # the layout knows where the keys are (a decode step, SharedPrefix): it attends
+        elif attn_mask is None:  # the layout knows where the keys are (a decode pass, SharedPrefix): it attends
             y = layout.attend(self.layer_idx, q, k, v)
         else:  # the sampler's prefill: its keys and values kept by the cache, a boolean padding mask (B, 1, T, T)
             k, v = layout.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
@@ -306,7 +306,7 @@ class GPT(nn.Module):
           update(layer, k, v) -> the keys and values to attend to, under that mask, here: a pass with a mask
               (the sampler's prefill) hands its keys and values over to be kept, and attends to what comes back;
           attend(layer, q, k, v) -> the attention output: a pass without a mask leaves attention to the layout,
-              which knows where the keys are (a decode step's are in the cache; SharedPrefix's are in the pass);
+              which knows where the keys are (a decode pass's are in the cache; SharedPrefix's are in the pass);
           advance(T): the pass is over; the next one's tokens come T positions later.
         """
         T = idx.size(1)

@@ -6,7 +6,7 @@ random weights, so it needs no download. Prints a table of step time, rollout to
     python -m scripts.bench_rl_step --shape=demo --device-type=cpu
 
 The model's weights are random and its tokenizer is the byte tokenizer: sampling covers those 261
-columns (the sampler's softmax over a real 152k vocabulary is a small share of a decode step; the
+columns (the sampler's softmax over a real 152k vocabulary is a small share of a decode pass; the
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.

@@ -9,12 +9,12 @@ the training log-prob pass, one whole RL step). Random Qwen3-shaped models, noth
 Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
 next to each run, best of several tries: the machine is shared), counting
     FLOPs: 2 x (linear weights, lm_head included) + 4 x heads x head_dim x context per layer (q.k and p.v)
-    bytes: keys and values of the context, every layer, + all weights once per decode step / rows
+    bytes: keys and values of the context, every layer, + all weights once per decode pass / rows
 with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
 rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine reaches it.
-The same ceiling for completions 4x as long (512 new tokens), and the ATen operations one decode step
+The same ceiling for completions 4x as long (512 new tokens), and the ATen operations one decode pass
 dispatches, the engine's and transformers' on the same batch (scripts/op_count.py): on a GPU each is at least
-one kernel launch, which at RL's small per-row work is what a decode step costs.
+one kernel launch, which at RL's small per-row work is what a decode pass costs.
 """
 
 import argparse
@@ -162,7 +162,7 @@ def spread_lengths(rows, min_len, new_tokens):
 
 def mixed_floor(model, prompts, samples, new_tokens, top_k, min_len, tries):
     """
-    The mixed-length ratio this machine allows: a decode step's cost, measured now at batch sizes from all
+    The mixed-length ratio this machine allows: a decode pass's cost, measured now at batch sizes from all
     the rows down to one prompt's samples, summed over the mixed batch's steps as if each finished row left
     at once and leaving cost nothing, against every row at every step. Costs between measured sizes are
     interpolated, below the smallest they are the smallest's. Per-step costs that do not shrink with the
@@ -173,14 +173,14 @@ def mixed_floor(model, prompts, samples, new_tokens, top_k, min_len, tries):
     engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
     steps = max(2, new_tokens // 2)
     sizes, costs, n = [], [], len(prompts)
-    while n >= 1:  # (n tokens) - (1 token) = n - 1 decode steps, and their sampling, without the prefill
+    while n >= 1:  # (n tokens) - (1 token) = n - 1 decode passes, and their sampling, without the prefill
         one = best_of(lambda: engine.generate_batch(prompts[:n], samples, 1, 1.0, top_k, seed=1), tries)
         many = best_of(lambda: engine.generate_batch(prompts[:n], samples, steps, 1.0, top_k, seed=1), tries)
         sizes.insert(0, n * samples)
         costs.insert(0, (many - one) / (steps - 1))
         n //= 2
     lengths = spread_lengths(len(prompts) * samples, min_len, new_tokens)
-    # decode step t runs for the rows that sample a token after step t's: those longer than t
+    # decode pass t runs for the rows that sample a token after step t's: those longer than t
     live = [sum(length > t for length in lengths) for t in range(new_tokens - 1)]
     mixed = sum(float(np.interp(rows, sizes, costs)) for rows in live if rows > 0)
     return mixed / ((new_tokens - 1) * costs[-1]), sizes, costs
@@ -209,10 +209,10 @@ def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
     return sum(lengths), mixed, full
 
 
-# ---- full-vocabulary sampling against a decode step --------------------------------------------
+# ---- full-vocabulary sampling against a decode pass --------------------------------------------
 @torch.inference_mode()
 def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
-    """Seconds of one decode step (prompts x samples rows, one token each, through the model) and of sampling its logits, top-k 0."""
+    """Seconds of one decode pass (prompts x samples rows, one token each, through the model) and of sampling its logits, top-k 0."""
     model = GPT(GPTConfig(**config)).init_weights(0).eval()
     vocab = model.config.vocab_size
     _, cache = Engine(model, Tokenizer(vocab)).prefill(random_prompts(prompts, prompt_len, vocab), samples, tries)
@@ -311,12 +311,12 @@ def main(argv=None):
                 f"{ours / (n / seconds):.1f}x", target_hf)
             add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
                 f"{ours / ceiling:.0%}", {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""))
-        if wanted("ops"):  # operations per decode step, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
+        if wanted("ops"):  # operations per decode pass, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
             n_prompts, samples = layouts[-1] if name != "12L" else layouts[0]
             prompts, engine = random_prompts(n_prompts, prompt_len, c.vocab_size), Engine(model, Tokenizer(c.vocab_size))
             ours, ours_all, _ = op_count.ops_per_step(lambda n: engine.generate_batch(prompts, samples, n, 1.0, 0, seed=1))
             theirs, theirs_all, _ = op_count.ops_per_step(lambda n: transformers_generate(hf, prompts, samples, n, 0))
-            add(f"{name} {n_prompts}x{samples} decode step, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
+            add(f"{name} {n_prompts}x{samples} decode pass, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
                 f"transformers {theirs:.0f} ({theirs_all:.0f})", f"{ours / theirs:.2f}x", "<= 200" if name == "4L" else "")
         if wanted("long") and name != "12L":  # long completions: the context grows 4x as long over the rollout
             # 1x and 4x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
@@ -341,14 +341,14 @@ def main(argv=None):
             f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s", f"all rows to {new_tokens}: {full:.2f} s", f"{mixed / full:.2f}x", "<= 0.65x")
         floor, sizes, costs = mixed_floor(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
         add("mixed lengths, floor from step costs", f"{floor:.2f}x with free compactions, no finished row kept",
-            f"decode step {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, {costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
+            f"decode pass {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, {costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
             f"engine {mixed / full / floor:.2f}x the floor", "")
-    if wanted("sampling"):  # full-vocabulary sampling against a decode step
+    if wanted("sampling"):  # full-vocabulary sampling against a decode pass
         config = dict(CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1))
         prompts, samples = (2, 8) if quick else (16, 16)
         sample, decode = sampling_vs_decode(config, prompts, samples, prompt_len, tries=2 if quick else 3)
         add(f"sampling {config['vocab_size']:,} columns, {prompts * samples} rows, top-k 0", f"{sample * 1e3:.1f} ms / step",
-            f"decode step {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
+            f"decode pass {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
     if wanted("logprob"):  # the training log-prob pass
         tokens, hidden, vocab = (512, 64, 4096) if quick else (8192, 768, FULL_VOCAB)
         chunked, unchunked = (bench_memory.logprob_peak(kind, tokens, hidden, vocab) for kind in ("chunked", "unchunked"))

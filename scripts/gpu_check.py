@@ -9,7 +9,7 @@ Checks (a model of the Qwen2.5-0.5B shape with random weights, fp32 weights unde
 chat_rl runs on CUDA; nothing is downloaded):
     env              device, torch, CUDA, bf16 support
     rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
-    profile          torch.profiler over a few decode steps: wall ms vs GPU-busy ms per step (launch-bound?)
+    profile          torch.profiler over a few decode passes: wall ms vs GPU-busy ms per step (launch-bound?)
     shared_loss      the loss's fast log-probs (fast_logprobs: each prompt once) against plain_logprobs, bf16 and fp32
     fsdp_loss        the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the whole model in fp32
     update           one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the matmul rate (target >= 75%)
@@ -143,7 +143,7 @@ def check_profile(s):
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if s.cuda else [])
     with s.autocast():
         call(n)  # warm-up
-        # one token = prefill + sampling, no decode step; n tokens = the same + n - 1 decode steps: the difference is theirs
+        # one token = prefill + sampling, no decode pass; n tokens = the same + n - 1 decode passes: the difference is theirs
         wall = {k: min(s.timed(lambda: call(k))[1] for _ in range(3)) for k in (1, n)}
         busy = {}
         for k in (1, n):
@@ -155,7 +155,7 @@ def check_profile(s):
     key = "cpu_time_total" if not s.cuda else "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
     print(events.table(sort_by=key, row_limit=15))
     step_ms = (wall[n] - wall[1]) / (n - 1) * 1e3
-    note = f"decode step {step_ms:.2f} ms wall ({s.prompts * s.samples} rows)"
+    note = f"decode pass {step_ms:.2f} ms wall ({s.prompts * s.samples} rows)"
     if s.cuda:
         busy_ms = (busy[n] - busy[1]) / (n - 1) / 1e3
         note += (f", GPU busy {busy_ms:.2f} ms ({busy_ms / step_ms:.0%}; far below 100% = launch-bound)" if busy[n] > 0

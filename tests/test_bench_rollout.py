@@ -5,7 +5,7 @@ import re
 
 from scripts import bench_rollout
 
-ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode step, top-k 0", "64 new tokens", "mixed lengths",
+ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode pass, top-k 0", "64 new tokens", "mixed lengths",
         "sampling", "log-prob pass peak", "RL step", "update against its own matmuls", "update, fast_logprobs", "calculator on, demo model, as it starts",
         "calculator on, demo model, every row calling")
 

@@ -121,6 +121,32 @@ def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(famil
         assert_close(fast_grads[name], grad)
 
 
+def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampler_does():
+    # an embedding padded past the tokenizer's vocabulary (Qwen2.5's, the demo's): those rows are never sampled
+    # (engine.py slices the logits to tokenizer.vocab_size), so the loss's distribution leaves them out too
+    sequences, masks, advantages = rollouts(seed=5)
+    sequences = [[token % 60 for token in seq] for seq in sequences]  # every token within the tokenizer's 60
+    inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
+    model = model_for("qwen2 (qkv bias, untied head)")
+    with torch.no_grad():
+        expected = torch.log_softmax(model(inputs)[..., :60].float() / T, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        expected = torch.where(targets >= 0, expected, 0.0)
+        everything = chat_rl.plain_logprobs(model, inputs, targets, T)
+    results = {}
+    for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
+        model = model_for("qwen2 (qkv bias, untied head)")
+        with torch.no_grad():
+            logp = logprobs(model, inputs, targets, T, vocab_size=60)
+        assert_close(logp, expected)
+        chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu",
+                                         temperature=T, logprobs=logprobs, vocab_size=60)
+        results[name] = grads(model)
+        assert torch.all(results[name]["lm_head.weight"][60:] == 0)  # the padding rows learn nothing
+    assert relative_error(everything, expected) > 1e-3  # the padding rows do weigh in the softmax over all 64
+    for name, grad in results["plain"].items():
+        assert_close(results["fast"][name], grad)
+
+
 def random_rollouts(rng, num_groups, num_samples):
     """Prompt-major rollouts with the loss's edge cases: a prompt of one token, the same prompt in two groups,
     empty or one-token completions, unsampled tokens inside a completion, a row with no sampled token at all,

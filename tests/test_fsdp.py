@@ -160,7 +160,7 @@ def test_gradient_norm_of_shards_is_the_global_norm(ranks):
 def test_rollout_all_gathers_once_per_unit_not_per_forward(ranks):
     for r in range(2):
         out = ranks[1][r]
-        assert out["all-gathers"] == (3, 0)  # 2 layers + the root on entry, nothing in 8 (rank 1: 3) decode steps
+        assert out["all-gathers"] == (3, 0)  # 2 layers + the root on entry, nothing in 8 (rank 1: 3) decode passes
         assert (out["sharded inside"], out["sharded after"]) == (False, True)  # full weights inside, shards after
         assert out["all-gathers without"] >= 4 * 2  # without it every forward gathers every layer (4 forwards here)
 

@@ -110,8 +110,8 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
     model, reference = small_model(), small_model()
     monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 3 * V)  # the head in chunks of 3 tokens
     passes, fast = [], logprobs.fast_logprobs
-    counted = lambda model, inputs, targets, temperature, loss_grad: passes.append(((targets >= 0).sum(), temperature)) or fast(
-        model, inputs, targets, temperature, loss_grad)  # noqa: E731
+    counted = lambda model, inputs, targets, temperature, **kw: passes.append(((targets >= 0).sum(), temperature)) or fast(
+        model, inputs, targets, temperature, **kw)  # noqa: E731
     loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 3, loss_norm, "cpu",
                                                     temperature=T, logprobs=counted)
     expected = reference_backward(reference, sequences, masks, advantages, loss_norm, T)
@@ -130,7 +130,7 @@ class LinearNLLModel(torch.nn.Module):
         self.rows = 0
 
 
-def linear_logprobs(model, inputs, targets, temperature, loss_grad=None):
+def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
     """chat_rl.plain_logprobs' place for the double above: the log-probs are linear in w."""
     model.rows += inputs.size(0)
     return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
@@ -234,10 +234,10 @@ def test_train_hands_the_rollout_temperature_and_the_normaliser_to_the_loss(tmp_
     seen, real = [], chat_rl.policy_gradient_backward
     def spy(*args, **kwargs):
         given = inspect.signature(real).bind(*args, **kwargs).arguments
-        seen.append((given["loss_norm"], given["temperature"]))
+        seen.append((given["loss_norm"], given["temperature"], given["vocab_size"]))
         return real(*args, **kwargs)
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
     code = chat_rl.main(["--preset=demo", f"--model={model_dir}", f"--out-dir={tmp_path / 'run'}", "--num-steps=1",
                          "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=3", "--eval-every=-1",
                          "--temperature=0.6", "--loss-norm=sequence"])
-    assert code == 0 and seen == [("sequence", 0.6)]
+    assert code == 0 and seen == [("sequence", 0.6, ByteTokenizer().vocab_size)]  # the sampler's vocabulary, not the 264 rows
