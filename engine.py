@@ -48,8 +48,9 @@ class Samples(NamedTuple):
     tool_errors: list  # of them, the refused ones
 
 
-# the text ends in a call: a maximal run of '<' of even length (an odd one leaves fast/tool_calls.py's automaton
-# at LT, and its next character sends it OUT), then, on one line and without another '<' or '=', the expression
+# the text ends in a call: '<<' opening it (the '<' of a run pair up from its start, so an even run opens a call
+# and an odd one leaves a lone '<', which does not), then, on one line and without '<', '>' or '=', the expression
+# and its '='
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 

@@ -1,0 +1,80 @@
+"""
+The README's demo table, rerun and printed as the README shows it:
+
+    python -m scripts.reproduce_readme                    # 6 demo runs, ~3.5 min each on 2 CPU cores, into runs/readme/
+    python -m scripts.reproduce_readme --out=DIR --print  # only print the table of runs already in DIR
+
+Each row is `python -m chat_rl --preset=demo` with the flags below and --out-dir=DIR/<name>; a folder that already
+holds a finished run (its step-150 eval) is read, not rerun. The table is step 0 -> the last step's held-out eval.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RUNS = {  # name: (the row's label, its flags beside --preset=demo)
+    "seed0": ("seed 0", ["--seed=0"]),
+    "seed1": ("seed 1", ["--seed=1"]),
+    "seed2": ("seed 2", ["--seed=2"]),
+    "seed0-none": ("seed 0, `--tool=none`", ["--seed=0", "--tool=none"]),
+    "seed0-plain": ("seed 0, `--logprobs=plain`", ["--seed=0", "--logprobs=plain"]),
+    "seed0-kept": ("seed 0, `--loss-norm=kept_tokens`", ["--seed=0", "--loss-norm=kept_tokens"]),
+}
+
+
+def evals(folder):
+    """The eval rows of a run's metrics.jsonl, in order (none if it has none)."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [row for row in map(json.loads, f) if row.get("split") == "eval"]
+
+
+def row(label, first, last, tool):
+    widest = max(int(k[5:]) for k in first if k.startswith("pass@"))
+
+    def change(key):
+        a, b = 100 * first[key], 100 * last[key]
+        return f"{a:.1f}% -> {b:.1f}% ({b - a:+.1f})"
+
+    cells = [label, change("pass@1"), change("greedy"), f"{100 * first[f'pass@{widest}']:.1f}% -> {100 * last[f'pass@{widest}']:.1f}%"]
+    cells += ([f"{100 * first['tool_use']:.1f}% -> {100 * last['tool_use']:.1f}%",
+               f"{100 * first['greedy_tool_use']:.0f}% -> {100 * last['greedy_tool_use']:.0f}%"] if tool else ["(off)", "(off)"])
+    return "| " + " | ".join(cells) + " |"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="rerun the README's demo table and print it")
+    p.add_argument("--out", default="runs/readme", help="one folder per run goes here")
+    p.add_argument("--print", action="store_true", dest="print_only", help="print the table of the runs there, run nothing")
+    args = p.parse_args(argv)
+    seconds = {}
+    for name, (_, flags) in RUNS.items():
+        folder = os.path.join(args.out, name)
+        if args.print_only or any(e["step"] == 150 for e in evals(folder)):
+            continue
+        if os.path.exists(folder):
+            sys.exit(f"reproduce_readme: {folder} holds an unfinished run: delete it or pass another --out")
+        print(f"reproduce_readme: {name}: python -m chat_rl --preset=demo {' '.join(flags)} --out-dir={folder}", flush=True)
+        t0 = time.time()
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        subprocess.run([sys.executable, "-m", "chat_rl", "--preset=demo", *flags, f"--out-dir={folder}"], env=env,
+                       check=True, stdout=subprocess.DEVNULL)
+        seconds[name] = time.time() - t0
+    print("\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@8 | samples calling the tool | greedy calling it |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, (label, flags) in RUNS.items():
+        rows = evals(os.path.join(args.out, name))
+        if len(rows) >= 2:
+            print(row(label, rows[0], rows[-1], tool="--tool=none" not in flags))
+    for name, s in seconds.items():
+        print(f"{name}: {s / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

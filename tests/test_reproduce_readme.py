@@ -1,0 +1,26 @@
+"""scripts/reproduce_readme.py prints the README's demo table from the runs' eval rows: step 0 -> the last eval,
+points of change computed before rounding, the tool columns only for runs that had the tool."""
+
+import json
+
+from scripts import reproduce_readme
+
+
+def write_run(folder, evals):
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step, values in evals:
+            f.write(json.dumps({"step": step, "loss": 0.0}) + "\n")  # a train row, which the table ignores
+            f.write(json.dumps({"step": step, "split": "eval", **values}) + "\n")
+
+
+def test_the_table_reads_step_0_and_the_last_eval_of_each_finished_run(tmp_path, capsys):
+    start = {"greedy": 0.775, "pass@1": 0.4925, "pass@8": 0.915, "tool_use": 0.1469, "greedy_tool_use": 0.0}
+    end = {"greedy": 0.92, "pass@1": 0.90125, "pass@8": 0.97, "tool_use": 0.9919, "greedy_tool_use": 1.0}
+    write_run(tmp_path / "seed0", [(0, start), (50, {**end, "pass@1": 0.5}), (150, end)])
+    write_run(tmp_path / "seed0-none", [(0, start), (150, end)])
+    assert reproduce_readme.main([f"--out={tmp_path}", "--print"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| seed 0 | 49.2% -> 90.1% (+40.9) | 77.5% -> 92.0% (+14.5) | 91.5% -> 97.0% | 14.7% -> 99.2% | 0% -> 100% |" in lines
+    assert "| seed 0, `--tool=none` | 49.2% -> 90.1% (+40.9) | 77.5% -> 92.0% (+14.5) | 91.5% -> 97.0% | (off) | (off) |" in lines
+    assert not any(line.startswith("| seed 1 ") for line in lines)  # no run there: no row
