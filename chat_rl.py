@@ -6,13 +6,15 @@ lower it for those below. Read this file top to bottom; the plain sampler is eng
 
 One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
 per GPU; alone on a laptop there is one rank):
-  1. take this step's problems (each rank its own share of examples_per_step);
+  1. take this step's problems: the step-th slice of a permutation fixed per epoch, each rank its own share of
+     examples_per_step (plumbing/data.py: the step alone fixes the data, so a resumed run continues it);
   2. sample num_samples completions of each (the group) with engine.py: generate_reference is the plain
      sampler to read, the Engine the fast one (each prompt's attention keys and values kept, its KV cache, so
      a token costs one forward over one position); where a completion writes GSM8K's calculator call
      `<<48/2=`, the result `24>>` is forced in (--tool);
   3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
-     the final answer is right, else 0 (plus an optional format bonus, --format-weight);
+     the final answer is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given once, in
+     the task's form, at the end);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
   5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
@@ -28,8 +30,8 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty: the KL term's job is to hold the policy near its start, which
      costs a second model in memory and a second forward, and with a verifier as the reward there is
      no reward model to over-optimise against.
-  2. No importance ratio, no clipping: every batch is sampled by the very weights being updated and
-     used for exactly one step, so the ratio is 1 and the clip never acts; what is left is REINFORCE.
+  2. No importance ratio, no clipping: every batch is sampled by the very weights being updated and used for
+     exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
   4. Token-level normalisation (TRL's "dapo"): divide by every sampled token of the step on all ranks, the
@@ -38,7 +40,6 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      more groups turn unanimous, which is the policy having less left to learn. `--loss-norm=kept_tokens`
      divides by the kept groups' tokens only (DAPO's, without its refilling), so the step keeps its size;
      `--loss-norm=sequence` takes each completion's mean first, then divides by the step's completions (GRPO's).
-     (nanochat's is none of these: each micro-batch over its own sampled tokens x passes x examples per rank.)
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -47,7 +48,6 @@ Run it:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 -m chat_rl
 """
 
-import hashlib
 import math
 import os
 import sys
@@ -61,7 +61,7 @@ from calculator import calculate
 from engine import Engine
 from fast.logprobs import fast_logprobs, micro_batches
 from plumbing import checkpoint, fsdp
-from plumbing.data import load_data
+from plumbing.data import derive_seed, load_data, problems_for_step
 from plumbing.distributed import StopFlag, all_reduce_sum, restart_count, setup_distributed, sync_gradients
 from plumbing.flags import ConfigError, RunError, check_config, parse_config
 from plumbing.metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
@@ -82,7 +82,7 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer scores 0"),
+    max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
@@ -115,30 +115,13 @@ HYPERPARAMETERS = dict(
 )
 
 
-# ---- 1. this step's problems, and every seed -----------------------------------------------------
-def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
-    """Step s takes the s-th slice of a permutation of the training problems fixed per epoch, and
-    rank r the r-th part of that slice: the step alone fixes the data, so a resumed run continues it."""
-    epoch, offset = divmod(step, len(train_rows) // examples_per_step)
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch)))
-    per_rank = examples_per_step // world
-    first = offset * examples_per_step + rank * per_rank
-    return [train_rows[i] for i in order[first:first + per_rank].tolist()]
-
-
-def derive_seed(*parts):
-    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "rollout", step, rank) or
-    (run seed, "data", epoch); bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1,
-    epoch 0). Evals reuse one stream per rank, so pass@k moves with the policy, not with the sampling noise."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
-
-
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress=""):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
     samples of problems[0], then of problems[1], ...). An engine call decodes whole groups, rows_per_call rows at most
-    (one group if larger), its stream derived from seed and its first problem's index. progress: a bar's label."""
+    (one group if larger), its stream derived from seed and its first problem's index (so --generate-batch-rows
+    decides which numbers a row draws). progress: a bar's label, for evals."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
@@ -158,7 +141,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
         completion_ids = seq[len(prompts[i // num_samples]):]
-        text = tokenizer.decode(completion_ids)
+        text = tokenizer.decode(completion_ids)  # special tokens (the stop token) dropped
         terms = reward_terms(task, text, task.reference(problems[i // num_samples]), format_weight)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
@@ -229,22 +212,25 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # fast path runs their prompt once), rows of similar length together (less padding)
     prompt_length = lambda i: next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))  # noqa: E731
     keep.sort(key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
-    # sampled tokens that are targets: mask[1:], as in make_batch (position 0 is never a target)
-    local = [float(sum(sum(masks[i][1:]) for i in rows)) for rows in (keep, range(len(masks)))] + [float(len(masks))]
-    kept_tokens, all_tokens, completions = all_reduce_sum(torch.tensor(local, device=device)).tolist()
+    # the sampled tokens are the targets: mask[1:], as in make_batch (position 0 is never a target); summed over ranks
+    sampled_tokens = [sum(mask[1:]) for mask in masks]
+    counts = torch.tensor([sum(sampled_tokens[i] for i in keep), sum(sampled_tokens), len(masks)], dtype=torch.float)
+    kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
     normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
     # at most device_batch_size rows and device_batch_tokens tokens a pass, rows counted whole (rows x longest row)
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
-    fsdp.match_passes(model, len(batches), logprobs, device)  # under --fsdp a pass is collective: ranks run alike many
+    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: as many passes on every rank (empty ones add 0)
     loss_sum = torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         sampled, adv = targets >= 0, advantages[rows].to(device)
         norm = normaliser * sampled.sum(dim=1, keepdim=True).clamp(min=1) if loss_norm == "sequence" else normaliser
-        with autocast:  # the loss is linear in logp: its gradient there, loss_grad, is known before the forward pass
+        # loss.backward() makes the gradient. The loss is linear in logp, so what it sends back to logp, loss_grad, is
+        # known now: the fast path makes the head's share during its forward pass, and raises if another comes back
+        with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=-(adv[:, None] / norm) * sampled, vocab_size=vocab_size)
         loss = policy_gradient_loss(logp, sampled, adv, norm)
         loss.backward()
@@ -258,14 +244,14 @@ def adamw(model, lr, weight_decay):
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
-def optimizer_step(model, optimizer, lr, grad_clip, loss, valid_tokens):
+def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or gradient
     skips the update; so does a step where no row carried gradient (AdamW's momentum would still move the weights)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True))
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
-    if finite and valid_tokens > 0:
+    if finite and kept_tokens > 0:
         optimizer.step()
     return grad_norm, finite
 
@@ -355,17 +341,17 @@ def train(cfg, rank, world, device):
         t_rollout = time.time() - t0
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
-        loss, valid_tokens = policy_gradient_backward(                                                    # 5.
+        loss, kept_tokens = policy_gradient_backward(                                                    # 5.
             model, out["sequences"], out["masks"], advantages, num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
             device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
             autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
             vocab_size=tokenizer.vocab_size)
-        sync_gradients(model)                                                                           # 6.
+        sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank); a rank with no kept row adds 0
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
-        grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, valid_tokens)
-        nonfinite_in_row = check_nonfinite(finite, valid_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
-        row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, valid_tokens=valid_tokens,
+        grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
+        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
+        row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, valid_tokens=kept_tokens,
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)

@@ -232,7 +232,7 @@ def step_with_sgd(norm, grad_clip, lr=0.5):
     model = TwoWeights().set_gradient(norm)
     before = model.weights()
     grad_norm, finite = chat_rl.optimizer_step(model, torch.optim.SGD(model.parameters(), lr=123.0), lr, grad_clip,
-                                               loss=-0.1, valid_tokens=10)
+                                               loss=-0.1, kept_tokens=10)
     assert finite
     return grad_norm, model.weights() - before
 
@@ -263,7 +263,7 @@ def test_the_update_is_taken_at_the_learning_rate_given():
 def adamw_after_one_update():
     model = TwoWeights().set_gradient(1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=-0.1, valid_tokens=10)
+    chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=-0.1, kept_tokens=10)
     return model, optimizer  # AdamW now has momentum: a step on a zero gradient would still move the weights
 
 
@@ -272,7 +272,7 @@ def test_a_non_finite_loss_or_gradient_skips_the_update(loss, gradient):
     model, optimizer = adamw_after_one_update()
     model.set_gradient(gradient)
     before = model.weights()
-    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=loss, valid_tokens=10)
+    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=loss, kept_tokens=10)
     assert not finite and torch.equal(model.weights(), before)
 
 
@@ -280,7 +280,7 @@ def test_a_step_with_no_sampled_token_leaves_the_weights_alone():
     model, optimizer = adamw_after_one_update()
     model.set_gradient(0.0)
     before = model.weights()
-    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=0.0, valid_tokens=0)
+    _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=0.0, kept_tokens=0)
     assert finite and torch.equal(model.weights(), before)
     optimizer.step()  # what skipping it avoids: AdamW's momentum moves the weights on a zero gradient
     assert not torch.equal(model.weights(), before)
