@@ -54,7 +54,10 @@ import sys
 import time
 from contextlib import nullcontext
 
-import torch
+# torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several times over
+# (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set before that, unless the user has
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 from tqdm import tqdm
 
 from calculator import calculate
@@ -375,7 +378,8 @@ def main(argv=None):
         rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
         return train(cfg, rank, world, device)
     except RunError as e:  # anything else is a bug and keeps its traceback
-        print(f"chat_rl: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0 or not isinstance(e, ConfigError):  # a bad flag is bad on every rank
+            print(f"chat_rl: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
         if torch.distributed.is_initialized():

@@ -106,8 +106,11 @@ def check_config(cfg, world_size):
     for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
-    if cfg.temperature < 0 or cfg.top_k < 0 or cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.format_weight < 0:
-        raise ConfigError("temperature, top_k, grad_clip and format_weight must be >= 0 and lr > 0")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be above 0, got {cfg.lr}")
+    for name in ("temperature", "top_k", "grad_clip", "format_weight"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.num_samples < 2 or cfg.temperature == 0:
         # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
         raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
@@ -133,8 +136,22 @@ def check_config(cfg, world_size):
         raise ConfigError("--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too")
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
-    if cfg.model != "demo_model" and not os.path.isdir(cfg.model) and not _looks_like_hub_id(cfg.model):
-        raise ConfigError(f"--model={cfg.model!r}: no such folder (a name is downloaded as a hub id only if it "
+    check_model_path(cfg.model)
+
+
+def check_model_path(model):
+    """--model names a Hugging Face folder, "demo_model" or a hub id: a file, a run's folder or a folder without a
+    config.json is refused with what to give instead."""
+    if os.path.isfile(model):
+        raise ConfigError(f"--model={model!r} is a file: give the folder that holds its config.json and safetensors")
+    if os.path.isdir(model) and not os.path.exists(os.path.join(model, "config.json")):
+        steps = sorted(d for d in os.listdir(model) if d.startswith("step_") and os.path.isdir(os.path.join(model, d)))
+        if steps:
+            raise ConfigError(f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, the latest "
+                              f"{os.path.join(model, steps[-1])}")
+        raise ConfigError(f"--model={model!r} holds no config.json: not a Hugging Face model folder")
+    if model != "demo_model" and not os.path.isdir(model) and not _looks_like_hub_id(model):
+        raise ConfigError(f"--model={model!r}: no such folder (a name is downloaded as a hub id only if it "
                           f"looks like Org/Name, e.g. Qwen/Qwen2.5-0.5B-Instruct, and no folder Org is here)")
 
 

@@ -1,5 +1,10 @@
 """Bad input stops the run with one line that says why, a nonzero exit, and no model loaded."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -50,7 +55,8 @@ CASES = [
     (["--max-new-tokens=0"], "must be positive"),
     (["--eval-examples=0"], "must be positive"),
     (["--temperature=-0.5"], "must be >= 0"),
-    (["--lr=0"], "lr > 0"),
+    (["--lr=0"], "--lr must be above 0, got 0.0"),
+    (["--grad-clip=-1"], "--grad-clip must be >= 0, got -1.0"),
     (["--lr=nan"], "must be a finite number"),
     (["--temperature=inf"], "must be a finite number"),
     (["--num-samples=1"], "--num-samples >= 2"),
@@ -73,6 +79,22 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
     code, err = run(argv + [f"--out-dir={tmp_path / 'run'}"], capsys)
     assert code != 0
     assert len(err) == 1 and err[0].startswith("chat_rl: error:") and reason in err[0], err
+
+
+def test_a_model_path_that_is_no_model_folder_says_what_to_give_instead(tmp_path):
+    # a file, a run's out-dir (its checkpoints are inside), a folder without config.json: each refused before any load
+    run_dir, plain_dir, file = tmp_path / "out" / "demo", tmp_path / "empty", tmp_path / "model.safetensors"
+    for step in ("step_000050", "step_000150"):
+        (run_dir / step).mkdir(parents=True)
+    plain_dir.mkdir()
+    file.write_bytes(b"")
+    expected = {str(file): "is a file: give the folder that holds its config.json",
+                str(run_dir): f"is a run's folder: its checkpoints are its step_* folders, the latest {run_dir / 'step_000150'}",
+                str(plain_dir): "holds no config.json: not a Hugging Face model folder"}
+    for model, reason in expected.items():
+        cfg = flags.parse_config(["--preset=demo", f"--model={model}"], chat_rl.HYPERPARAMETERS)
+        with pytest.raises(flags.ConfigError, match=re.escape(reason)):
+            flags.check_config(cfg, world_size=1)
 
 
 def test_examples_per_step_must_divide_among_ranks():
@@ -211,3 +233,12 @@ def test_mps_on_a_machine_without_it_is_refused_in_one_line(capsys, no_model_loa
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # so a Mac with MPS sees the same
     code, err = run(["--device-type=mps", f"--out-dir={tmp_path / 'run'}"], capsys)
     assert code == 2 and err == ["chat_rl: error: --device-type=mps but MPS is not available on this machine"], err
+
+
+def test_under_torchrun_a_bad_flag_is_said_once_not_once_per_rank(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                             "chat_rl", "--preset=demo", "--device-type=cpu", "--lr=0", f"--out-dir={tmp_path / 'run'}"],
+                            cwd=repo, capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if "chat_rl: error:" in line]
+    assert result.returncode != 0 and said == ["chat_rl: error: --lr must be above 0, got 0.0"], result.stderr[-2000:]

@@ -95,3 +95,20 @@ def test_resume_with_nothing_to_resume_says_it_starts_from_step_0(tmp_path, caps
     assert chat_rl.main(argv + [f"--out-dir={tmp_path / 'typo'}"]) == 0
     start = capsys.readouterr().out.splitlines()[0]
     assert start.startswith("chat_rl: ") and start.endswith("steps=0->1 out=" + str(tmp_path / "typo") + " (--resume: no checkpoint there yet, so from step 0)")
+
+
+def test_chat_rl_sets_a_passive_omp_wait_policy_before_torch_loads_unless_the_user_set_one():
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads its library: chat_rl must set it before its first torch import
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = "import sys, chat_rl, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    unset = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True)
+    chosen = subprocess.run([sys.executable, "-c", probe], cwd=repo, env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                            capture_output=True, text=True)
+    assert (unset.stdout.strip(), chosen.stdout.strip()) == ("PASSIVE", "ACTIVE"), unset.stderr[-1000:]
+    # and nothing chat_rl imports before that line loads torch
+    source = open(os.path.join(repo, "chat_rl.py")).read()
+    before = source[:source.index('os.environ.setdefault("OMP_WAIT_POLICY"')]
+    assert "import torch" not in before and not any(line.startswith(("from ", "import ")) and line.split()[1] not in
+                                                    ("hashlib", "math", "os", "sys", "time", "contextlib")
+                                                    for line in before.splitlines())
