@@ -110,6 +110,7 @@ HYPERPARAMETERS = dict(
     activation_checkpointing=(False,                    False,         "recompute layers in backward: less memory, ~1/3 more compute"),
     # evaluation and checkpoints
     eval_every=         (50,                            50,            "steps between pass@k evals; -1 = off"),
+    eval_only=          (False,                         False,         "evaluate --model once (no training, no checkpoint) and stop"),
     eval_examples=      (400,                           200,           "held-out problems per eval"),
     eval_samples=       (4,                             8,             "samples per held-out problem at temperature 1.0"),
     save_every=         (-1,                            -1,            "steps between checkpoints; -1 = only at the end"),
@@ -120,21 +121,23 @@ HYPERPARAMETERS = dict(
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
-            rows_per_call=256, progress=""):
+            rows_per_call=256, progress="", problem_ids=None):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
     samples of problems[0], then of problems[1], ...). An engine call decodes whole groups, rows_per_call rows at most
-    (one group if larger), its stream derived from seed and its first problem's index (so --generate-batch-rows
-    decides which numbers a row draws). progress: a bar's label, for evals."""
+    (one group if larger). Each problem's samples draw from its own stream, derived from seed and its id (its index
+    in the step or the eval set: problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
+    problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
                tool_calls=[], tool_errors=[], tool_use=[])
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
         samples = engine.generate(prompts[start:start + per_call], num_samples, max_new_tokens,
-                                  temperature, top_k, seed=derive_seed(seed, start), include_stop=True)
+                                  temperature, top_k, include_stop=True,
+                                  seed=[derive_seed(seed, i) for i in problem_ids[start:start + per_call]])
         out["sequences"] += samples.sequences
         out["masks"] += samples.masks
         out["tool_calls"] += samples.tool_calls  # answered calls and refused ones, per completion
@@ -272,16 +275,16 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's
     best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
     right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
-    mine = problems[rank::world]
+    mine, ids = problems[rank::world], range(rank, len(problems), world)  # ids: each problem its own stream
     # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
     names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
     totals, samples = dict.fromkeys(names, 0.0), []
     if mine:
         label = "eval" if rank == 0 else ""
         out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, seed=seed,
-                      rows_per_call=rows_per_call, progress=label)
+                      rows_per_call=rows_per_call, progress=label, problem_ids=ids)
         greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, seed=seed,
-                         rows_per_call=rows_per_call, progress=label and "eval greedy")
+                         rows_per_call=rows_per_call, progress=label and "eval greedy", problem_ids=ids)
         for g in range(len(mine)):
             correct = int(sum(out["answer"][g * k:(g + 1) * k]))
             for j in range(1, k + 1):
@@ -314,7 +317,7 @@ def train(cfg, rank, world, device):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
     print0(f"chat_rl: task={cfg.task} model={cfg.model} ({model.num_params() / 1e6:.1f}M params) ranks={world} "
-           f"device={device.type} steps={start_step}->{num_steps} out={cfg.out_dir}"
+           f"device={device.type} steps={'eval only' if cfg.eval_only else f'{start_step}->{num_steps}'} out={cfg.out_dir}"
            + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not state else ""))
     stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
@@ -323,15 +326,15 @@ def train(cfg, rank, world, device):
     for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates the final weights
         if stop.requested(device):
             break
-        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps):
+        if cfg.eval_only or cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps):
             model.eval()
             with autocast, fsdp.gathered(model):
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
-                                            device, seed=derive_seed(cfg.seed, "eval", rank), rows_per_call=cfg.generate_batch_rows)
+                                            device, seed=derive_seed(cfg.seed, "eval"), rows_per_call=cfg.generate_batch_rows)
             last_pass1 = metrics["pass@1"]
             log.write({"step": step, "split": "eval", **metrics}, samples)
             print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-        if step == num_steps:
+        if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
         problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1.
@@ -339,8 +342,9 @@ def train(cfg, rank, world, device):
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
         with autocast, fsdp.gathered(model):                                                            # 2-3.
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                          seed=derive_seed(cfg.seed, "rollout", step, rank), format_weight=cfg.format_weight,
-                          rows_per_call=cfg.generate_batch_rows)
+                          seed=derive_seed(cfg.seed, "rollout", step), format_weight=cfg.format_weight,
+                          rows_per_call=cfg.generate_batch_rows,  # each problem its stream, by its place in the step
+                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)))
         t_rollout = time.time() - t0
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
@@ -363,9 +367,11 @@ def train(cfg, rank, world, device):
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
-    if step != last_saved:  # a stop right after a save (or a resume) has nothing new to write
+    if not cfg.eval_only and step != last_saved:  # a stop right after a save (or a resume) has nothing new to write
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
-    print0(stop_line(step, num_steps, (time.time() - t_start) / 60, cfg.out_dir))
+    minutes = (time.time() - t_start) / 60
+    print0(f"evaluated {cfg.model} in {minutes:.1f} min: the eval row is in {cfg.out_dir}/metrics.jsonl" if cfg.eval_only
+           else stop_line(step, num_steps, minutes, cfg.out_dir))
     log.close()
     return 0
 

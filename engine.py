@@ -18,8 +18,8 @@ of B = P * S rows:
      model's matmuls and the attention to their own keys (the attention to the prompts still runs
      over each prompt's S sample slots, zeros where a row has left: one matmul per prompt either way).
 Both sample by inverse CDF: the token is where the row's uniform number for position t falls in its
-cumulative probabilities, walked in vocabulary order. All of a call's numbers are drawn up front from a seeded
-generator, as torch.rand(B, max_new_tokens): row b's token t uses u[b, t], a row's numbers one run of the
+cumulative probabilities, walked in vocabulary order. All of a call's numbers are drawn up front (uniforms), from
+one seeded generator for the call or one per prompt: row b's token t uses u[b, t], a row's numbers one run of its
 generator's stream. (The Engine stores them transposed, so position t reads its numbers u[t] as one contiguous
 slice; a compaction moves each row's column with it.) A row's token depends only on its own logits and its own
 u[b, t]: neither finished rows, compaction, nor the other rows change what it draws, and the same seed gives the
@@ -48,6 +48,20 @@ class Samples(NamedTuple):
     tool_errors: list  # of them, the refused ones
 
 
+def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
+    """
+    The call's random numbers, (B, max_new_tokens): row b's token t draws with u[b, t]. seed: one number for the
+    whole call, or a list of one per prompt, whose num_samples rows then draw from that prompt's own stream,
+    whatever else shares the batch (so that a problem samples alike on 1 rank or on 8).
+    """
+    if isinstance(seed, int):
+        return torch.rand(num_prompts * num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(seed),
+                          device=device)
+    assert len(seed) == num_prompts, f"{len(seed)} seeds for {num_prompts} prompts"
+    return torch.cat([torch.rand(num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(s), device=device)
+                      for s in seed])
+
+
 # the text ends in a call: '<<' opening it (the '<' of a run pair up from its start, so an even run opens a call
 # and an odd one leaves a lone '<', which does not), then, on one line and without '<', '>' or '=', the expression
 # and its '='
@@ -68,7 +82,7 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
     """
     device = model.lm_head.weight.device
     B = len(prompts) * num_samples
-    u = torch.rand(B, max_new_tokens, generator=torch.Generator(device).manual_seed(seed), device=device)
+    u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device)
     prompt = [list(prompts[b // num_samples]) for b in range(B)]
     new, mask = [[] for _ in range(B)], [[] for _ in range(B)]  # each row's generated tokens, and 1 where sampled
     text, pending = [""] * B, [[] for _ in range(B)]              # its completion's text, the tool's tokens to come
@@ -301,7 +315,7 @@ class Engine:
         vocab = self.tokenizer.vocab_size  # a model's embedding table may be padded past it: those rows are not tokens
         logits, cache = self.prefill(prompts, num_samples, max_new_tokens)
         B = logits.size(0)
-        u = torch.rand(B, max_new_tokens, generator=torch.Generator(device=device).manual_seed(seed), device=device).T.contiguous()
+        u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device).T.contiguous()
         out = torch.zeros(max_new_tokens, B, dtype=torch.long, device=device)  # out[t, b]: original row b's token t
         row_ids = torch.arange(B, device=device)  # original index of each row in the batch, in batch order
         positions = torch.arange(max_new_tokens + 1, device=device)  # positions[t]: t as a tensor, made once

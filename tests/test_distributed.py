@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -148,3 +149,36 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     start = load_file(os.path.join(repo, "demo_model", "model.safetensors"))
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert any(not torch.equal(weights[0][k], start[k]) for k in start)
+    # and the same run as one process: each problem samples from its own stream, so the rollouts are the same; the
+    # gradient sums in another order, and the numbers agree to fp32 rounding
+    flags = cmd[cmd.index("--preset=demo"):]
+    assert chat_rl.main([f if not f.startswith("--out-dir=") else f"--out-dir={tmp_path / 'one'}" for f in flags]) == 0
+    alone = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
+    for two, one in zip(rows, alone):
+        for key in one:
+            if key in ("rollout_tokens_per_s", "step_time_s", "state_mib", "peak_mem_gb"):
+                continue
+            assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), (one["step"], key)
+    one, two = (load_file(os.path.join(folder, "step_000002", "model.safetensors")) for folder in (tmp_path / "one", out))
+    # (AdamW's first steps move a weight by about lr whatever its gradient's size, so a gradient near 0 that rounds
+    # to the other sign moves it the other way: a few weights apart by a share of one step, the rest alike)
+    assert one.keys() == two.keys()
+    for k in one:
+        apart, moved = (one[k] - two[k]).abs(), (one[k] - start[k]).abs().max()
+        assert apart.max() <= 0.05 * moved + 1e-7 and (apart > 1e-6).float().mean() < 1e-3, k
+
+
+def test_eval_only_writes_one_eval_row_and_no_checkpoint_and_two_ranks_give_one_process_figures(tmp_path):
+    # each held-out problem samples from its own stream (its index in the eval set), so splitting the problems
+    # over ranks changes no figure beyond fp32 summation order (the figures are rounded to 4 digits)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--preset=demo", "--device-type=cpu", "--eval-only", "--eval-examples=12", "--eval-samples=4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "chat_rl", *flags,
+           f"--out-dir={tmp_path / 'two'}"]
+    result = subprocess.run(cmd, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert chat_rl.main(flags + [f"--out-dir={tmp_path / 'one'}"]) == 0
+    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("one", "two")}
+    assert [r["split"] for r in rows["one"]] == ["eval"] and rows["one"] == rows["two"]
+    assert not any(name.startswith("step_") for name in os.listdir(tmp_path / "one"))
