@@ -57,4 +57,8 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except RuntimeError as e:  # GSM8K neither on the hub nor in the cache: one line, and the way round it
+        sys.exit(f"check_calculator: {str(e).split('; offline?')[0]}; offline, pass GSM8K's own files instead: "
+                 f"python -m scripts.check_calculator train.jsonl test.jsonl")
