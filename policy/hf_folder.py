@@ -34,8 +34,8 @@ def resolve_folder(name_or_dir):
         return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
-        raise FileNotFoundError(f"{name_or_dir!r} is no local folder and the hub download failed: "
-                                f"{type(e).__name__}: {first_line}") from None
+        raise FileNotFoundError(f"no folder {name_or_dir!r} here, and no hub model of that name could be fetched "
+                                f"({type(e).__name__}: {first_line[:160]})") from None
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -164,7 +164,7 @@ def test_unknown_architecture_and_missing_folder_fail_in_one_line(tmp_path):
         GPT.from_pretrained(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="neither a folder nor a hub id"):
         GPT.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
-    with pytest.raises(FileNotFoundError, match="'no-org/no-such-model' is no local folder and the hub download failed"):
+    with pytest.raises(FileNotFoundError, match="no folder 'no-org/no-such-model' here, and no hub model of that name could be fetched"):
         GPT.from_pretrained("no-org/no-such-model")  # offline in tests (conftest): the hub cannot be reached
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
