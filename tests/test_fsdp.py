@@ -291,7 +291,8 @@ def test_fsdp_run_checkpoint_loads_in_transformers_with_equal_logits(runs):
     ours, hf = GPT.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
     idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (ours(idx) - hf(idx).logits).abs().max().item() < 1e-5
+        # fp32 through two implementations: logits of size ~10 agree to a few of their last bits
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_fsdp_sigkill_then_resume_matches_the_uninterrupted_run(runs, tmp_path):
