@@ -8,13 +8,13 @@ One optimizer step, as train() below runs it (a "rank" is one process of a torch
 per GPU; alone on a laptop there is one rank):
   1. take this step's problems: the step-th slice of a permutation fixed per epoch, each rank its own share of
      examples_per_step (plumbing/data.py: the step alone fixes the data, so a resumed run continues it);
-  2. sample num_samples completions of each (the group) with engine.py: generate_reference is the plain
-     sampler to read, the Engine the fast one (each prompt's attention keys and values kept, its KV cache, so
-     a token costs one forward over one position); where a completion writes GSM8K's calculator call
-     `<<48/2=`, the result `24>>` is forced in (--tool);
-  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): reward 1 if
-     the final answer is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given once, in
-     the task's form, at the end);
+  2. sample num_samples completions of each (the group) with engine.py: generate_reference is the plain sampler
+     to read, the Engine the fast one (each prompt's keys and values kept, its KV cache, so a token costs one
+     forward over one position); where a completion writes GSM8K's calculator call `<<48/2=`, the result `24>>` is
+     forced in (--tool);
+  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) or your own --reward:
+     1 if the final answer is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given
+     once, in the task's form, at the end);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
   5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
@@ -34,12 +34,11 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
   3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (TRL's "dapo"): divide by every sampled token of the step on all ranks, the
-     unanimous groups' included, so every token weighs the same whatever its completion's length, and dropping
-     those groups only saves compute: the gradient is the one of the whole step. A step's size then shrinks as
-     more groups turn unanimous, which is the policy having less left to learn. `--loss-norm=kept_tokens`
-     divides by the kept groups' tokens only (DAPO's, without its refilling), so the step keeps its size;
-     `--loss-norm=sequence` takes each completion's mean first, then divides by the step's completions (GRPO's).
+  4. Token-level normalisation (TRL's "dapo"): divide by every sampled token of the step on all ranks, unanimous
+     groups' included, so every token weighs the same whatever its completion's length, and dropping those groups
+     only saves compute. A step then shrinks as groups turn unanimous (the policy has less left to learn);
+     `--loss-norm=kept_tokens` divides by the kept groups' tokens only (DAPO's, without its refilling), keeping the
+     step's size; `--loss-norm=sequence` takes each completion's mean, then divides by the completions (GRPO's).
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -64,24 +63,37 @@ from calculator import calculate
 from engine import Engine
 from fast.logprobs import fast_logprobs, micro_batches
 from plumbing import checkpoint, fsdp
-from plumbing.data import derive_seed, load_data, problems_for_step
-from plumbing.distributed import StopFlag, all_reduce_sum, restart_count, setup_distributed, sync_gradients
-from plumbing.flags import ConfigError, RunError, check_config, parse_config
-from plumbing.metrics import MetricsLog, check_nonfinite, console_line, step_metrics, stop_line
-from tasks.common import conversation, get_task, rewards as reward_terms
+from plumbing.data import derive_seed, load_data, problems_for_step, rows_fingerprint
+from plumbing.distributed import StopFlag, all_reduce_sum, restart_count, sync_gradients
+from plumbing.flags import RunError, load_task, run
+from plumbing.metrics import (MetricsLog, all_rewards_failed, check_nonfinite, console_line, start_line, step_metrics,
+                              stop_line)
+from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
-# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and the one --preset=demo takes (the
-# offline demo on one CPU; demo_model/ is the 0.8M-parameter model shipped here, made by scripts/make_demo_model.py).
-# Each name is also a flag, with - for _ (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
+# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and --preset=demo's (the offline demo on one
+# CPU, demo_model/ the 0.8M-parameter model made by scripts/make_demo_model.py). Each name is also a flag, - for _
+# (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
 HYPERPARAMETERS = dict(
     # name               default                        --preset=demo  meaning
-    task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline procedural word problems)"),
+    task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline) | data (--data) | my_pkg.my_task | path/to/task.py"),
     model=              ("Qwen/Qwen2.5-0.5B-Instruct",  "demo_model",  "hub id or Hugging Face folder (config.json + safetensors)"),
     out_dir=            ("out",                         "out/demo",    "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=        ("",                            "cpu",         "cpu | cuda | mps; empty = autodetect"),
     seed=               (0,                             0,             "seeds data order, sampling and evaluation"),
     resume=             (False,                         False,         "continue from the latest complete checkpoint in out_dir"),
+    # your own rows and reward (README "Your own task"): --data alone selects --task=data
+    data=               ("",                            "",            "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
+    data_config=        ("",                            "",            "the hub data set's configuration, e.g. main"),
+    train_split=        ("train",                       "train",       "--data's split to train on (a folder's or a hub data set's)"),
+    eval_split=         ("test",                        "test",        "--data's split of held-out rows, unless --eval-data"),
+    eval_data=          ("",                            "",            "held-out rows: a file, a folder (its --eval-split) or a hub id"),
+    prompt_column=      ("question",                    "question",    "--task=data: the column holding the prompt"),
+    answer_column=      ("answer",                      "answer",      "--task=data: the column holding the answer"),
+    instruction=        ("",                            "",            "--task=data: text appended to every prompt after a blank line"),
+    verifier=           ("gsm8k",                       "gsm8k",       "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
+    reward=             ("",                            "",            "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
+    system_prompt=      ("",                            "",            "a system turn before every prompt, through the chat template"),
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
@@ -102,6 +114,11 @@ HYPERPARAMETERS = dict(
     device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
     lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate, decayed linearly to 0"),
+    # LoRA (policy/lora.py): a frozen base, adapters trained; RL wants about 10x the learning rate of full fine-tuning
+    lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
+    lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
+    lora_targets=       ("all-linear",                  "all-linear",  "projections with adapters: all-linear, or a list: q_proj,v_proj"),
+    lora_lr=            (3e-5,                          3e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
     max_nonfinite=      (5,                             5,             "stop after this many non-finite updates in a row"),
@@ -121,36 +138,36 @@ HYPERPARAMETERS = dict(
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
-            rows_per_call=256, progress="", problem_ids=None):
+            rows_per_call=256, progress="", problem_ids=None, system_prompt=""):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
-    samples of problems[0], then of problems[1], ...). An engine call decodes whole groups, rows_per_call rows at most
-    (one group if larger). Each problem's samples draw from its own stream, derived from seed and its id (its index
-    in the step or the eval set: problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
+    samples of problems[0], then of problems[1], ...); an engine call decodes whole groups, rows_per_call rows at most.
+    A problem's samples draw from a stream of its own, from seed and its id (its index in the step or the eval set:
+    problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
     tokenizer = engine.tokenizer
-    prompts = [tokenizer.render_for_completion(conversation(task, problem)) for problem in problems]
+    prompts = [tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt)) for problem in problems]
     per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
-               tool_calls=[], tool_errors=[], tool_use=[])
+               tool_calls=[], tool_errors=[], tool_use=[], reward_errors=[])
     bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), per_call):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
         samples = engine.generate(prompts[start:start + per_call], num_samples, max_new_tokens,
                                   temperature, top_k, include_stop=True,
                                   seed=[derive_seed(seed, i) for i in problem_ids[start:start + per_call]])
-        out["sequences"] += samples.sequences
-        out["masks"] += samples.masks
-        out["tool_calls"] += samples.tool_calls  # answered calls and refused ones, per completion
-        out["tool_errors"] += samples.tool_errors
+        for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: answered and refused, per completion
+            out[key] += getattr(samples, key)
         bar.update(len(samples.sequences) // num_samples)
     bar.close()
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
         completion_ids = seq[len(prompts[i // num_samples]):]
         text = tokenizer.decode(completion_ids)  # special tokens (the stop token) dropped
-        terms = reward_terms(task, text, task.reference(problems[i // num_samples]), format_weight)
+        row = problems[i // num_samples]
+        terms = reward_terms(task, text, task.reference(row), format_weight, row=row)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
+        out["reward_errors"].append(terms.get("error"))  # a user's reward that raised: None, or what it raised
         out["tokens"].append(len(completion_ids))
         out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
@@ -205,13 +222,11 @@ def make_batch(sequences, masks, device):
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
                              autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
                              vocab_size=None):
-    """
-    Accumulate the gradient of policy_gradient_loss over this rank's completions into .grad; returns (loss, sampled
+    """Accumulate the gradient of policy_gradient_loss over this rank's completions into .grad; returns (loss, sampled
     tokens of the kept groups on all ranks). The normaliser, counted on all ranks so that micro-batches and ranks
     leave the loss unchanged, is per loss_norm: all_tokens, every sampled token of the step, the dropped groups' too
     (the default; TRL's "dapo"); kept_tokens, those of the kept groups (DAPO's); sequence, the step's completions,
-    each one's sum first divided by its own sampled tokens (GRPO's). Unanimous groups add 0: dropped before any pass.
-    """
+    each one's sum first divided by its own sampled tokens (GRPO's). Unanimous groups add 0: dropped before any pass."""
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
     # sorted by prompt length (up to the first sampled token), group, length: a group's rows side by side (the
@@ -245,9 +260,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
-def adamw(model, lr, weight_decay):
-    """AdamW over the model's parameters, fused: one kernel for every parameter's update, not several per tensor."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
+def adamw(parameters, lr, weight_decay):
+    """AdamW over the trained parameters, fused: one kernel for every parameter's update, not several per tensor."""
+    return torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
@@ -264,65 +279,62 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- 7. evaluation -------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k), as a product."""
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 @torch.no_grad()
-def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, rows_per_call=256):
-    """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's
-    best single answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is
-    right, and how often one of k is). Returns (metrics, a few samples for samples.jsonl)."""
+def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, rows_per_call=256, system_prompt=""):
+    """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
+    answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
+    is; right: an answer reward of 1 or more, as a user's may give part marks). Returns (metrics, samples.jsonl's)."""
     mine, ids = problems[rank::world], range(rank, len(problems), world)  # ids: each problem its own stream
     # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
     names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
-    totals, samples = dict.fromkeys(names, 0.0), []
+    totals, samples, reward_errors = dict.fromkeys(names, 0.0), [], 0
     if mine:
         label = "eval" if rank == 0 else ""
-        out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, seed=seed,
-                      rows_per_call=rows_per_call, progress=label, problem_ids=ids)
-        greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, seed=seed,
-                         rows_per_call=rows_per_call, progress=label and "eval greedy", problem_ids=ids)
+        common = dict(seed=seed, rows_per_call=rows_per_call, problem_ids=ids, system_prompt=system_prompt)
+        out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, progress=label, **common)
+        greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, progress=label and "eval greedy", **common)
+        reward_errors = sum(e is not None for e in out["reward_errors"] + greedy["reward_errors"])
         for g in range(len(mine)):
-            correct = int(sum(out["answer"][g * k:(g + 1) * k]))
+            correct = sum(a >= 1 for a in out["answer"][g * k:(g + 1) * k])
             for j in range(1, k + 1):
                 totals[f"pass@{j}"] += pass_at_k(k, correct, j)
-        totals.update(greedy=sum(greedy["answer"]), greedy_tool_use=sum(greedy["tool_use"]),
+        totals.update(greedy=sum(a >= 1 for a in greedy["answer"]), greedy_tool_use=sum(greedy["tool_use"]),
                       **{name: sum(out[name]) / k for name in ("tool_use", "tool_calls", "tool_errors")})
         samples = [dict(question=task.prompt(mine[g]), reference=task.reference(mine[g]),
                         completion=out["completions"][g * k], reward=out["total"][g * k]) for g in range(min(3, len(mine)))]
-    sums = all_reduce_sum(torch.tensor([totals[name] for name in names] + [len(mine)], dtype=torch.float64, device=device))
+    sums = all_reduce_sum(torch.tensor([totals[name] for name in names] + [reward_errors, len(mine)], dtype=torch.float64,
+                                       device=device))
     metrics = {name: round(float(sums[i] / sums[-1]), 4) for i, name in enumerate(names)}
-    return {"greedy": metrics.pop("greedy"), **metrics}, samples
+    return {"greedy": metrics.pop("greedy"), **metrics, "reward_errors": int(sums[-2])}, samples
 
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
     """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    task = get_task(cfg.task)
+    task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
+    cfg.rows_fingerprint = rows_fingerprint(train_rows)  # saved in checkpoints: --resume refuses other rows
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * (len(train_rows) // cfg.examples_per_step)
     start_step, state = checkpoint.resume_point(cfg, world, device, restarted=restart_count() > 0)  # (0, None): fresh
     # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
-    model, tokenizer = checkpoint.load_policy(state["model_dir"] if state else cfg.model, "cpu" if cfg.fsdp else device)
+    model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device)  # with --lora-rank, adapters
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
     engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
-    optimizer = adamw(model, cfg.lr, cfg.weight_decay)
-    if state:
-        checkpoint.restore(state, model, optimizer, rank)
-    # weights stay fp32 (AdamW's master copy); on CUDA the matmuls run in bf16
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], peak_lr, cfg.weight_decay)  # LoRA: adapters only
+    checkpoint.restore(state, model, optimizer, rank)  # AdamW's state and the RNGs of a resumed run; a fresh run: none
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # trained weights fp32
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
-    print0(f"chat_rl: task={cfg.task} model={cfg.model} ({model.num_params() / 1e6:.1f}M params) ranks={world} "
-           f"device={device.type} steps={'eval only' if cfg.eval_only else f'{start_step}->{num_steps}'} out={cfg.out_dir}"
-           + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not state else ""))
+    print0(start_line(cfg, model, world, device, start_step, num_steps, resumed=state is not None))
     stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
     last_saved = start_step if state else -1  # the step of the newest checkpoint: none is written twice
-    step, nonfinite_in_row, t_start = start_step, 0, time.time()
+    step, nonfinite_in_row, failure, t_start = start_step, 0, None, time.time()
     for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates the final weights
         if stop.requested(device):
             break
@@ -330,10 +342,10 @@ def train(cfg, rank, world, device):
             model.eval()
             with autocast, fsdp.gathered(model):
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
-                                            device, seed=derive_seed(cfg.seed, "eval"), rows_per_call=cfg.generate_batch_rows)
+                                            device, derive_seed(cfg.seed, "eval"), cfg.generate_batch_rows, cfg.system_prompt)
             last_pass1 = metrics["pass@1"]
             log.write({"step": step, "split": "eval", **metrics}, samples)
-            print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "reward_errors" or v))
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
@@ -344,8 +356,10 @@ def train(cfg, rank, world, device):
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step), format_weight=cfg.format_weight,
                           rows_per_call=cfg.generate_batch_rows,  # each problem its stream, by its place in the step
-                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)))
+                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)), system_prompt=cfg.system_prompt)
         t_rollout = time.time() - t0
+        if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
+            break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
         model.train()
         loss, kept_tokens = policy_gradient_backward(                                                    # 5.
@@ -355,7 +369,7 @@ def train(cfg, rank, world, device):
             vocab_size=tokenizer.vocab_size)
         sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank); a rank with no kept row adds 0
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
-        lr = cfg.lr * (1 - step / num_steps)  # linear decay to 0
+        lr = peak_lr * (1 - step / num_steps)  # linear decay to 0
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
         nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
         row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, valid_tokens=kept_tokens,
@@ -367,29 +381,19 @@ def train(cfg, rank, world, device):
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
-    if not cfg.eval_only and step != last_saved:  # a stop right after a save (or a resume) has nothing new to write
+    if not cfg.eval_only and step != last_saved and not (failure and step == start_step):  # nothing new: no checkpoint
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
-    minutes = (time.time() - t_start) / 60
-    print0(f"evaluated {cfg.model} in {minutes:.1f} min: the eval row is in {cfg.out_dir}/metrics.jsonl" if cfg.eval_only
-           else stop_line(step, num_steps, minutes, cfg.out_dir))
+    if failure:
+        raise RunError(f"step {step}: the reward failed on every completion; the first: {failure}", every_rank=True)
+    print0(stop_line(step, num_steps, (time.time() - t_start) / 60, cfg.out_dir, evaluated=cfg.model if cfg.eval_only else ""))
     log.close()
     return 0
 
 
 # ==== the command line ==============================================================================
 def main(argv=None):
-    try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv, HYPERPARAMETERS, __doc__)
-        check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group, model or data
-        rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
-        return train(cfg, rank, world, device)
-    except RunError as e:  # anything else is a bug and keeps its traceback
-        if int(os.environ.get("RANK", 0)) == 0 or not isinstance(e, ConfigError):  # a bad flag is bad on every rank
-            print(f"chat_rl: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    """python -m chat_rl [--name=value ...]: plumbing/flags.run checks the flags, starts this rank and calls train()."""
+    return run(train, HYPERPARAMETERS, __doc__, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ resume exactly, and the decision where a run starts.
 
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
-the optimizer state, the step, every rank's RNG state and the run's config. Under --fsdp the
+the optimizer state, the step, every rank's RNG state and the run's config; a LoRA run's holds its
+weights merged, and its adapter alone in adapter/, a PEFT folder. Under --fsdp the
 optimizer state is in optimizer/ instead, one file per rank with its shard (fsdp.py); either kind
 resumes with or without --fsdp. Data position is the
 step itself: step s always takes the s-th slice of a per-epoch permutation fixed by the seed, and
@@ -25,7 +26,9 @@ from safetensors import safe_open
 from plumbing import fsdp
 from plumbing.distributed import is_sharded
 from plumbing.flags import ConfigError, RunError
+from policy import lora
 from policy.gpt import GPT
+from policy.hf_folder import write_config, write_weights
 from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
@@ -47,6 +50,46 @@ def load_policy(path, device):
         return GPT.from_pretrained(path, device=device), load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise RunError(f"cannot load model {path!r}: {e}") from None
+
+
+def build_policy(cfg, state, device):
+    """
+    The run's (model, tokenizer): --model, or the checkpoint a resumed run continues. --model may be a PEFT LoRA
+    folder (adapter_config.json): its base with the adapter, merged in for full fine-tuning, trained on with
+    --lora-rank. With --lora-rank > 0 the base is frozen (bf16 on CUDA, fp32 elsewhere) and the adapters train
+    (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the checkpoint.
+    """
+    source = (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
+    adapter = source if os.path.exists(os.path.join(source, "adapter_config.json")) else None
+    base = lora.read_adapter_config(adapter)[0] if adapter else source
+    model, tokenizer = load_policy(base, device)
+    base_dtype = torch.bfloat16 if torch.device(device).type == "cuda" and cfg.lora_rank else None
+    if adapter:
+        _, rank, alpha, targets = lora.read_adapter_config(adapter)
+        if cfg.lora_rank and cfg.lora_rank != rank:
+            raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, --lora-rank={rank}; "
+                              f"--lora-rank=0 trains its merged model fully")
+        lora.add_adapters(model, rank, alpha, targets, base_dtype=base_dtype)
+        try:
+            lora.load_adapter(model, adapter)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        if not cfg.lora_rank:
+            lora.merge_adapters(model)
+    elif cfg.lora_rank:
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, lora.parse_targets(cfg.lora_targets), seed=cfg.seed,
+                          base_dtype=base_dtype)
+    if state and cfg.lora_rank:
+        lora.load_adapter(model, os.path.join(state["model_dir"], "adapter"))
+    return model, tokenizer
+
+
+def lora_base(cfg):
+    """The base model a LoRA run's adapter is relative to, as a PEFT folder names it: a hub id, or a folder's path."""
+    if os.path.exists(os.path.join(cfg.model, "adapter_config.json")):
+        return lora.read_adapter_config(cfg.model)[0]
+    path = os.path.join(REPO, "demo_model") if cfg.model == "demo_model" else cfg.model
+    return os.path.abspath(path) if os.path.isdir(path) else path
 
 
 def _ckpt_dirs(out_dir):
@@ -81,7 +124,11 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
         fsdp.save_weights(model, tmp, rank)
     saved_optimizer = fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))  # None: in optimizer/
     if rank == 0:
-        if not sharded:
+        if lora.has_adapters(model):  # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
+            write_weights(tmp, lora.merged_state_dict(model))
+            write_config(tmp, model.config, torch.float32)
+            lora.save_adapter(model, os.path.join(tmp, "adapter"), lora_base(cfg))
+        elif not sharded:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         state = {"step": step, "optimizer": saved_optimizer, "rng": rngs, "world_size": world, "config": vars(cfg)}
@@ -163,6 +210,8 @@ def find_resumable(cfg, world):
     if differs:
         detail = ", ".join(f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs)
         hint = ""
+        if "rows_fingerprint" in differs:  # the same flags, other rows: a data file edited or a hub data set updated
+            hint = "; rows_fingerprint hashes the training rows: these are not the rows it trained on"
         if {"num_steps", "num_epochs"} & set(differs):  # the learning rate decays to 0 over the run's length
             hint = (f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
                     f"start a new run with --model={path} and a new --out-dir")
@@ -172,7 +221,10 @@ def find_resumable(cfg, world):
 
 
 def restore(state, model, optimizer, rank):
-    """The optimizer state and this rank's RNG state of a checkpoint (the weights came with the model)."""
+    """The optimizer state and this rank's RNG state of a checkpoint (the weights came with the model); state None, a
+    fresh run's: nothing."""
+    if state is None:
+        return
     fsdp.restore_optimizer(model, optimizer, state["optimizer"], os.path.join(state["model_dir"], "optimizer"))
     rng = state["rng"][rank]
     torch.set_rng_state(rng["cpu"])

@@ -1,26 +1,99 @@
 """
-Where a run's problems come from, and in what order: the task's train and test rows, loaded before the model (a
-missing data set stops the run in seconds with one line, not after a model load); each step's share of them; and
-every seed of a run, derived so that a resumed run draws what it would have drawn.
+Where a run's problems come from, and in what order: the task's train and test rows (its own loader, or --data's
+files or hub data set), checked and loaded before the model (bad data stops the run in seconds with one line, not
+after a model load); each step's share of them; and every seed of a run, derived so that a resumed run draws what it
+would have drawn. Every rank reads the rows itself: the loaders are deterministic, so every rank holds the same rows
+in the same order, and nothing has to be broadcast.
 """
 
 import hashlib
+import json
+import os
 
 import torch
 
 from plumbing.flags import ConfigError, RunError
+from tasks.common import use_cache_if_hub_unreachable
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loaders
 
 
 def load_data(task, cfg):
-    """(train rows, eval rows) of the task: cfg.eval_examples of its test rows at most; at least one step's worth of
-    training rows (cfg.examples_per_step), or a ConfigError."""
+    """(train rows, eval rows): the task's own, or --data's (and --eval-data's) when given; cfg.eval_examples eval
+    rows at most, none when no eval runs; at least one step's worth of training rows, none for --eval-only."""
+    evals_on = cfg.eval_only or cfg.eval_every > 0
+    if cfg.data and evals_on and not cfg.eval_data and os.path.isfile(cfg.data):  # no silent split of the user's rows
+        raise ConfigError(f"--data={cfg.data} is one file, so it holds no held-out rows: name them with --eval-data=<file>, "
+                          f"or turn evals off with --eval-every=-1")
     try:
-        train_rows, eval_rows = task.load("train"), task.load("test", limit=cfg.eval_examples)
+        if cfg.data:
+            train_rows = [] if cfg.eval_only else read_rows(cfg.data, cfg.data_config, cfg.train_split)
+            eval_rows = read_rows(cfg.eval_data or cfg.data, cfg.data_config, cfg.eval_split, cfg.eval_examples) if evals_on else []
+        else:
+            train_rows = [] if cfg.eval_only else task.load("train")
+            eval_rows = task.load("test", limit=cfg.eval_examples) if evals_on else []
     except (RuntimeError, ValueError) as e:
         raise RunError(str(e)) from None
-    if len(train_rows) < cfg.examples_per_step:
-        raise ConfigError(f"{cfg.task} has {len(train_rows)} training problems, fewer than --examples-per-step={cfg.examples_per_step}")
+    check_rows(task, train_rows, f"--data={cfg.data}" if cfg.data else cfg.task)
+    check_rows(task, eval_rows, f"--eval-data={cfg.eval_data}" if cfg.eval_data else f"--data={cfg.data}" if cfg.data else cfg.task)
+    if not cfg.eval_only and len(train_rows) < cfg.examples_per_step:
+        raise ConfigError(f"{cfg.data or cfg.task} has {len(train_rows)} training problems, fewer than "
+                          f"--examples-per-step={cfg.examples_per_step}")
+    if evals_on and not eval_rows:
+        raise ConfigError(f"{cfg.eval_data or cfg.data or cfg.task} has no held-out rows to evaluate on")
     return train_rows, eval_rows
+
+
+def read_rows(source, config="", split="train", limit=None):
+    """Rows (dicts, every column) of a local .jsonl / .json / .parquet / .csv file (all of it, whatever split says: a
+    file is one split), of a split of a folder of such files (datasets names splits by file name: train.jsonl,
+    test.csv, ...), or of a split of a hub data set (config: its configuration, "" for the default)."""
+    if os.path.isfile(source):
+        extension = os.path.splitext(source)[1].lower()
+        if extension not in FILE_FORMATS:
+            raise ValueError(f"{source}: not a {' / '.join(FILE_FORMATS)} file")
+        split, args, kwargs = "train", (FILE_FORMATS[extension],), dict(data_files=os.path.abspath(source))  # its one split
+    elif os.path.isdir(source):
+        args, kwargs = (os.path.abspath(source),), {}
+    elif "/" in source and not os.path.exists(source.split("/")[0]) and not source.startswith("."):
+        use_cache_if_hub_unreachable()
+        args, kwargs = (source, config or None), {}
+    else:
+        raise ValueError(f"--data {source!r}: no such file or folder, and not a hub data set id (Org/Name)")
+    import datasets  # imported here: the built-in arith task never needs it
+    local, shown = os.path.exists(source), not datasets.are_progress_bars_disabled()
+    if local and shown:
+        datasets.disable_progress_bars()  # a local file reads in a moment: its bars would only clutter the log
+    try:
+        rows = datasets.load_dataset(*args, split=split, **kwargs)
+    except Exception as e:  # a missing split, a malformed file, no network and no cache: one line
+        raise ValueError(f"could not read {split!r} rows of {source} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    finally:
+        if local and shown:
+            datasets.enable_progress_bars()
+    rows = [dict(row) for row in rows]
+    return rows[:limit] if limit else rows
+
+
+def check_rows(task, rows, source):
+    """Every row gives a prompt and a reference: a missing column or an unreadable answer is one line naming the row
+    and the columns that exist, not a KeyError in the middle of a rollout."""
+    for i, row in enumerate(rows):
+        try:
+            ok = isinstance(task.prompt(row), str) and task.reference(row) is not None
+        except KeyError as e:
+            raise ConfigError(f"{source}: row {i} has no column {e}; its columns: {', '.join(map(str, row))}"
+                              + (" (--prompt-column and --answer-column name them)" if hasattr(task, "columns") else "")) from None
+        except Exception as e:
+            raise ConfigError(f"{source}: row {i}: {type(e).__name__}: {e}") from None
+        if not ok:
+            raise ConfigError(f"{source}: row {i} has no answer the verifier can read ({json.dumps(row, default=str)[:200]})")
+
+
+def rows_fingerprint(*splits):
+    """A short hash of the rows a run trains and evaluates on: a resumed run must see the very same ones."""
+    return hashlib.blake2b(json.dumps(splits, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
 def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):

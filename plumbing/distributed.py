@@ -66,6 +66,8 @@ def sync_gradients(model):
     if not dist.is_initialized() or is_sharded(model):
         return
     for p in model.parameters():
+        if not p.requires_grad:  # frozen (a LoRA run's base): no gradient to sum
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)

@@ -1,5 +1,5 @@
 """
-Flags and their checks, kept out of chat_rl.py's reading line.
+The command line: flags and their checks, and the run that starts from them, kept out of chat_rl.py's reading line.
 
 chat_rl.HYPERPARAMETERS maps each name to (default, demo value, help). A run starts from the
 default column, or the demo column with --preset=demo, and command-line flags win over both:
@@ -17,17 +17,46 @@ from types import SimpleNamespace
 
 import torch
 
-from tasks.common import TASKS
+from plumbing.distributed import setup_distributed
+from policy import lora
+from tasks.common import get_task
 
 PRESETS = ("demo",)  # the second column of chat_rl.HYPERPARAMETERS
 
 
 class RunError(Exception):
-    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite."""
+    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite.
+    every_rank: every rank stops for this same reason (a bad flag, a verdict on summed figures), so rank 0 says it."""
+
+    def __init__(self, message, every_rank=False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class ConfigError(RunError):
     """A bad flag or an impossible combination: one line (exit 2), before any work."""
+
+    def __init__(self, message):
+        super().__init__(message, every_rank=True)
+
+
+def run(train, hyperparameters, doc, argv):
+    """The command line: flags over hyperparameters, checked for world size ranks before any process group, model or
+    data; then this rank's process group and device, and train(cfg, rank, world, device). A RunError is said in one
+    line on stderr (once, by rank 0, when every rank has it) and returns 1, 2 for a ConfigError; anything else is a
+    bug and keeps its traceback."""
+    try:
+        cfg = parse_config(argv, hyperparameters, doc)
+        check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
+        return train(cfg, rank, world, device)
+    except RunError as e:
+        if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
+            print(f"chat_rl: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def parse_config(argv, hyperparameters, doc=""):
@@ -59,6 +88,8 @@ def parse_config(argv, hyperparameters, doc=""):
         if not has_value and not is_bool:
             raise ConfigError(f"--{name.replace('_', '-')} needs a value")
         flags[name] = value if name == "preset" else _convert(name, value if has_value else "true", hyperparameters[name][0])
+    if "data" in flags and "task" not in flags:
+        flags["task"] = "data"  # your own rows, without naming a task: the generic one
     preset = flags.pop("preset", "")
     if preset and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
@@ -122,8 +153,6 @@ def check_config(cfg, world_size):
         raise ConfigError(f"unknown --logprobs {cfg.logprobs!r} (fast | plain)")
     if cfg.tool not in ("calculator", "none"):
         raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
-    if cfg.task not in TASKS:
-        raise ConfigError(f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
     if cfg.device_type not in ("", "cpu", "cuda", "mps"):
         raise ConfigError(f"unknown --device-type {cfg.device_type!r} (cpu | cuda | mps, or empty to autodetect)")
     if cfg.device_type == "cuda" and not torch.cuda.is_available():
@@ -137,14 +166,48 @@ def check_config(cfg, world_size):
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
     check_model_path(cfg.model)
+    generic = {"prompt_column": "question", "answer_column": "answer", "instruction": "", "verifier": "gsm8k", "reward": ""}
+    for name, default in generic.items():
+        if cfg.task != "data" and getattr(cfg, name) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} is for --task=data, your own rows; --task={cfg.task} reads its "
+                              f"own columns and grades with its own verifier")
+    if cfg.lora_rank < 0 or cfg.lora_alpha <= 0 or not cfg.lora_lr > 0 or not math.isfinite(cfg.lora_lr + cfg.lora_alpha):
+        raise ConfigError(f"--lora-rank must be >= 0 (0 = off), --lora-alpha and --lora-lr above 0 (got {cfg.lora_rank}, "
+                          f"{cfg.lora_alpha}, {cfg.lora_lr})")
+    if cfg.lora_rank and cfg.fsdp:
+        raise ConfigError("--lora-rank with --fsdp is not built: LoRA's frozen bf16 base is 2 bytes a parameter (a 7B model, "
+                          "15 GB, fits one 24 GB GPU), so ranks hold all of it (plain DDP); sharding it beside fp32 adapters "
+                          "is untested here")
+    try:
+        lora.parse_targets(cfg.lora_targets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.eval_data and not cfg.data:
+        raise ConfigError("--eval-data names the held-out rows of --data: give --data too")
+    load_task(cfg)  # a user's task or reward that cannot be loaded stops the run here, before any data or model
+
+
+def load_task(cfg):
+    """The task --task names, with the generic task's options; what cannot be loaded is a ConfigError, before any data
+    or model is touched."""
+    options = {}
+    if cfg.task == "data":
+        if not cfg.data:
+            raise ConfigError("--task=data trains on your own rows: name them with --data=<file, folder or hub id>")
+        options = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, instruction=cfg.instruction,
+                       verifier=cfg.verifier, reward=cfg.reward)
+    try:
+        return get_task(cfg.task, **options)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_model_path(model):
-    """--model names a Hugging Face folder, "demo_model" or a hub id: a file, a run's folder or a folder without a
-    config.json is refused with what to give instead."""
+    """--model names a Hugging Face folder, a PEFT LoRA folder, "demo_model" or a hub id: a file, a run's folder or a
+    folder without a config.json (or adapter_config.json) is refused with what to give instead."""
     if os.path.isfile(model):
         raise ConfigError(f"--model={model!r} is a file: give the folder that holds its config.json and safetensors")
-    if os.path.isdir(model) and not os.path.exists(os.path.join(model, "config.json")):
+    if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in ("config.json", "adapter_config.json")):
         steps = sorted(d for d in os.listdir(model) if d.startswith("step_") and os.path.isdir(os.path.join(model, d)))
         if steps:
             raise ConfigError(f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, the latest "

@@ -22,10 +22,11 @@ def step_metrics(step, out, t_rollout, device, world, **values):
     """One train row: the rollout's means over all ranks (summed by name, then divided by the number
     of completions), the rollout tokens/s of all ranks together, and the step's own values."""
     local = {name: float(sum(out[key])) for name, key in MEANS.items()}
-    local.update(completions=len(out["total"]), rollout_s=t_rollout)
+    local.update(completions=len(out["total"]), rollout_s=t_rollout, reward_errors=sum(e is not None for e in out["reward_errors"]))
     names = sorted(local)  # every rank packs the same names in the same order
     sums = dict(zip(names, all_reduce_sum(torch.tensor([local[k] for k in names], device=device)).tolist()))
     row = {"step": step, **{name: sums[name] / sums["completions"] for name in MEANS}, **values,
+           "reward_errors": int(sums["reward_errors"]),  # completions whose reward raised or was not a number: scored 0
            # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
            "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world)}
     if device.type == "cuda":
@@ -39,14 +40,29 @@ def console_line(row, num_steps, last_pass1, eta_s, tool=False):
     return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | "
             + (f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else "")  # nan: no eval yet (or evals off)
             + (f"tool {row['tool_use']:.2f} | " if tool else "")
+            + (f"reward errors {row['reward_errors']} | " if row.get("reward_errors") else "")
             + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
-def stop_line(step, num_steps, minutes, out_dir):
+def start_line(cfg, model, world, device, start_step, num_steps, resumed):
+    """The run's first words: what trains where (a LoRA run: how many of the parameters), from which step to which,
+    and where it writes."""
+    steps = "eval only" if cfg.eval_only else f"{start_step}->{num_steps}"
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = f"{model.num_params() / 1e6:.1f}M params" + (f", {trained:,} of them trained" if cfg.lora_rank else "")
+    return (f"chat_rl: task={cfg.task} model={cfg.model} ({params}) ranks={world} "
+            f"device={device.type} steps={steps} out={cfg.out_dir}"
+            + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not resumed else ""))
+
+
+def stop_line(step, num_steps, minutes, out_dir, evaluated=""):
     """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
     run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
-    one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run."""
+    one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run.
+    evaluated: the model an --eval-only run evaluated, which writes no checkpoint."""
+    if evaluated:
+        return f"evaluated {evaluated} in {minutes:.1f} min: the eval row is in {out_dir}/metrics.jsonl"
     path = os.path.join(out_dir, f"step_{step:06d}")
     if step < num_steps:
         return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
@@ -55,13 +71,21 @@ def stop_line(step, num_steps, minutes, out_dir):
             f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from --lr)")
 
 
+def all_rewards_failed(errors, device):
+    """The first error of this rank if the reward failed on every completion of every rank this step (no hard problem
+    does that: a bug in the reward, and no signal to learn from), else None. errors: None or a message per completion."""
+    counts = all_reduce_sum(torch.tensor([sum(e is not None for e in errors), len(errors)], dtype=torch.float, device=device))
+    return next(e for e in errors if e is not None) if counts[0] == counts[1] > 0 else None
+
+
 def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):
     """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step)."""
     if finite:
         return 0 if valid_tokens > 0 else in_row
     print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
     if in_row + 1 >= max_in_row:
-        raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype")
+        raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype",
+                       every_rank=True)  # loss and norm are of the step summed over ranks: every rank stops here
     return in_row + 1
 
 

@@ -246,6 +246,8 @@ class GPT(nn.Module):
         """
         layout = []
         for module_name, module in self.named_modules():
+            if module_name.endswith((".lora_A", ".lora_B")):  # LoRA's adapters (policy/lora.py): no checkpoint tensor
+                continue
             own = [name for name, _ in module.named_parameters(prefix=module_name, recurse=False)]
             if not hasattr(module, "parts"):
                 layout += [(name, name, None) for name in own if not (name == "lm_head.weight" and self.config.tie_word_embeddings)]

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 # *.gguf or other copies of the weights
 HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "chat_rl_tokenizer.json"]
+             "chat_rl_tokenizer.json", "adapter_config.json", "adapter_model.safetensors"]  # a PEFT adapter's too
 
 
 def resolve_folder(name_or_dir):

@@ -20,6 +20,7 @@ marker chat_rl_tokenizer.json); save_pretrained writes it back.
 
 import json
 import os
+import re
 from datetime import datetime
 
 import jinja2
@@ -194,6 +195,8 @@ class HFTokenizer:
             if value:
                 self.special_strings[key] = value
         self.template = _compile_chat_template(_read_chat_template(folder, config))
+        # the texts of control tokens (<|im_end|>, <|eot_id|>): in a message's content they are text, not control
+        self.special_texts = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
         # ids may have gaps (added tokens); the engine masks logits at ids >= vocab_size (embedding padding)
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_id = self.tok.token_to_id(self.special_strings["bos_token"]) if "bos_token" in self.special_strings else None
@@ -219,12 +222,39 @@ class HFTokenizer:
             raise ValueError(f"{self.folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_strings)
 
+    def encode_messages(self, messages, add_generation_prompt):
+        """
+        The chat template's tokens, where a control token comes only from the template: the text of one inside a
+        message (a question holding "<|im_end|>") is encoded as the ordinary text it is, so a data row cannot forge a
+        turn. The template is rendered with each content replaced by a placeholder, the template's text between them
+        encoded with its control tokens and each content as plain text. Contents without such text take the plain
+        route, the whole rendered text encoded at once, exactly as transformers' apply_chat_template(tokenize=True).
+        """
+        text = self.render_text(messages, add_generation_prompt)
+        if not any(s in str(m["content"]) for m in messages for s in self.special_texts):
+            return self.encode(text)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
+        shell = self.render_text([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", shell)  # template, mark, template, ...
+        content = {mark: str(m["content"]) for mark, m in zip(marks, messages)}
+        if "".join(content.get(p, p) for p in pieces) != text:
+            raise ValueError("this chat template rewrites a message's content, and the content holds a control token's "
+                             "text that cannot then be kept apart as text")
+        ids = []
+        try:
+            for piece in pieces:
+                self.tok.encode_special_tokens = piece in content  # control-token texts inside a content: plain text
+                ids += self.tok.encode(content.get(piece, piece), add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = False
+        return ids
+
     def render_for_completion(self, conversation):
         """The prompt for sampling: the template with add_generation_prompt, a trailing reference answer dropped."""
         messages = conversation["messages"]
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        return self.encode(self.render_text(messages, add_generation_prompt=True))
+        return self.encode_messages(messages, add_generation_prompt=True)
 
     def render_conversation(self, conversation):
         """
@@ -240,13 +270,13 @@ class HFTokenizer:
         (Qwen3 adds an empty <think></think> to the final turn only), and then the stop token alone ends it.
         """
         messages = conversation["messages"]
-        ids = self.encode(self.render_text(messages, add_generation_prompt=False))
+        ids = self.encode_messages(messages, add_generation_prompt=False)
         mask = [0] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = _common_prefix(self.encode(self.render_text(messages[:i], add_generation_prompt=True)), ids)
-            end = _common_prefix(self.encode(self.render_text(messages[:i + 1], add_generation_prompt=False)), ids)
+            start = _common_prefix(self.encode_messages(messages[:i], add_generation_prompt=True), ids)
+            end = _common_prefix(self.encode_messages(messages[:i + 1], add_generation_prompt=False), ids)
             for j in range(start, end if end > start else len(ids)):
                 mask[j] = 1
                 if ids[j] in self.stop_tokens:

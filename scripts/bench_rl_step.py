@@ -132,7 +132,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
         t0 = time.perf_counter()
         out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
         rollout_and_reward = time.perf_counter() - t0
-        optimizer = chat_rl.adamw(model, 1e-6, defaults["weight_decay"])
+        optimizer = chat_rl.adamw(model.parameters(), 1e-6, defaults["weight_decay"])
         model.train()
         advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
 

@@ -123,7 +123,7 @@ def check_update(s):
     masks = [[0] * s.prompt_len + [1] * s.new_tokens] * rows
     advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)  # half right in every group: every group carries gradient
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    optimizer = chat_rl.adamw(model, 0.0, defaults["weight_decay"])
+    optimizer = chat_rl.adamw(model.parameters(), 0.0, defaults["weight_decay"])
 
     def update():
         model.zero_grad(set_to_none=True)

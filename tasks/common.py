@@ -1,20 +1,27 @@
 """
 What a task is: where its problems come from, how one becomes a prompt, and how a completion is scored.
 
-A task is a module in this package with these names (a module, not a class: one obvious home):
+A task is a module with these names (a module, not a class: one obvious home):
     load(split, limit=None) -> list[dict]  rows in the data set's own schema; split is "train" or "test"
     prompt(row) -> str                      the user message the policy sees
     reference(row) -> str                   the row's final answer, as a string
     extract_answer(completion) -> str|None  the answer the completion commits to
     grade(completion, reference) -> bool    the verifier: pure, deterministic, never raises
     format_ok(completion) -> bool           the answer given once, in the required form, at the end
-Optional: solution(row) -> str, a worked solution ending in the answer (supervised warm-up).
+Optional: solution(row) -> str, a worked solution ending in the answer (supervised warm-up);
+score(completion, row) -> float, a reward that replaces grade's 0/1 and sees the whole row.
 
-`get_task(name)` imports a task module lazily, so `--task=arith` never imports `datasets`.
+--task names a built-in task (TASKS), the generic task over a user's own rows ("data", tasks/generic.py), a
+module on the import path (my_pkg.my_task) or a file (path/to/my_task.py) with the names above. `get_task`
+imports lazily, so `--task=arith` never imports `datasets`.
 """
 
 import importlib
+import importlib.util
+import math
+import numbers
 import os
+import sys
 import urllib.error
 import urllib.request
 
@@ -23,24 +30,73 @@ HUB_TIMEOUT_S = 3.0  # how long a data loader waits for the hub before it reads 
 TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith"}
 
 
-def get_task(name):
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r} (choose from {', '.join(TASKS)})")
-    return importlib.import_module(TASKS[name])
+INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_ok")
 
 
-def conversation(task, row, with_solution=False):
-    """A row as a chat conversation; with_solution appends the worked solution as the assistant turn."""
-    messages = [{"role": "user", "content": task.prompt(row)}]
+def get_task(name, **options):
+    """The task --task names. options are the generic task's (tasks/generic.make); a user's module or file is checked
+    for the interface: anything missing is a ValueError naming it."""
+    if name == "data":
+        from tasks import generic
+        return generic.make(**options)
+    if name in TASKS:
+        return importlib.import_module(TASKS[name])
+    if not (name.endswith(".py") or "/" in name or "." in name):
+        raise ValueError(f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, a module my_pkg.my_task "
+                         "or a file path/to/my_task.py)")
+    task = import_user_code(name)
+    missing = [f for f in INTERFACE if not callable(getattr(task, f, None))]
+    if missing:
+        raise ValueError(f"task {name} has no function {', '.join(missing)}: a task defines {', '.join(INTERFACE)} "
+                         f"(tasks/common.py)")
+    return task
+
+
+def import_user_code(name):
+    """A module by file path (ends in .py or holds a /) or by dotted name; a ValueError in one line if it cannot be."""
+    try:
+        if name.endswith(".py") or "/" in name:
+            if not os.path.isfile(name):
+                raise ValueError(f"no such file {name!r}")
+            module_name = "user_code." + os.path.abspath(name)  # once per file: checking the flags imported it already
+            if module_name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(module_name, name)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[module_name] = module
+            return sys.modules[module_name]
+        return importlib.import_module(name)
+    except ValueError:
+        raise
+    except Exception as e:  # the user's code failed to import: its own error, in one line
+        raise ValueError(f"cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def user_function(spec):
+    """'path/to/file.py:function' (or 'module:function') -> the function; a ValueError in one line if it is not one."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"--reward={spec!r}: expected path/to/file.py:function")
+    function = getattr(import_user_code(path), name, None)
+    if not callable(function):
+        raise ValueError(f"--reward={spec!r}: {path} has no function {name}")
+    return function
+
+
+def conversation(task, row, with_solution=False, system_prompt=""):
+    """A row as a chat conversation: a system turn if system_prompt, the user's, and with_solution the worked
+    solution as the assistant turn."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": task.prompt(row)})
     if with_solution:
         messages.append({"role": "assistant", "content": task.solution(row)})
     return {"messages": messages}
 
 
-def rewards(task, completion, reference, format_weight=0.0):
+def rewards(task, completion, reference, format_weight=0.0, row=None):
     """
     The reward terms of one completion; the rules themselves live in each task module:
-        answer = 1 if task.grade accepts the final answer else 0
+        answer = 1 if task.grade accepts the final answer else 0 (or task.score(completion, row): any number)
         format = 1 if task.format_ok: the answer given once, in the required form, at the end else 0
         total  = answer + format_weight * format
     format_weight (--format-weight) defaults to 0, nanochat's pure answer reward: a format bonus is
@@ -49,10 +105,22 @@ def rewards(task, completion, reference, format_weight=0.0):
     > garbage (0); at w >= 1 a well-formed wrong answer would tie or beat a sloppy right one.
     Hedging, repeating the answer or spamming boxes never beats an honest correct answer: the
     verifier binds one answer (GSM8K: the first '#### <number>', MATH: the last box) and format
-    is only paid for a single one. Returns a dict of floats.
+    is only paid for a single one. A task's code that raises, or a score that is not a finite number,
+    scores 0 and carries "error", the exception in one line (the built-in verifiers never raise; a user's reward may).
+    Returns a dict of floats.
     """
-    answer = float(task.grade(completion, reference))
-    fmt = float(task.format_ok(completion))
+    try:
+        if hasattr(task, "score"):
+            answer = task.score(completion, dict(row))  # a copy: a reward cannot change the row for the next sample
+            if not isinstance(answer, numbers.Real) or not math.isfinite(answer):
+                raise ValueError(f"the reward returned {answer!r}, not a finite number")
+            answer = float(answer)
+        else:
+            answer = float(task.grade(completion, reference))
+        fmt = float(task.format_ok(completion))
+    except Exception as e:
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return {"answer": 0.0, "format": 0.0, "total": 0.0, "error": error}
     return {"answer": answer, "format": fmt, "total": answer + format_weight * fmt}
 
 

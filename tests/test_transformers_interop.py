@@ -1,6 +1,6 @@
 """
 What transformers sees of chat_rl's folders: the demo's byte tokenizer saved as a standard Hugging
-Face tokenizer (same ids, same chat prompts), and the README's transformers snippet run as written
+Face tokenizer (same ids, same chat prompts), and docs/checkpoints.md's transformers snippet run as written
 on the checkpoints chat_rl writes, giving the engine's own greedy completion.
 """
 
@@ -98,25 +98,25 @@ def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's transformers snippet, executed as written (its path replaced; for demo_model/, its
+# docs/checkpoints.md's transformers snippet, executed as written (its path replaced; for demo_model/, its
 # commented-out message for the demo's models used): its prompt ids, greedy completion and printed text
 # must be the ones chat_rl's engine gives at temperature 0.
 
 def readme_snippet():
-    text = open(os.path.join(REPO, "README.md")).read()
+    text = open(os.path.join(REPO, "docs", "checkpoints.md")).read()
     return text.split("\ntransformers, as it is", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
 def run_readme_snippet(path, capsys, demo_message=False):
     """Execute the snippet on path; demo_message: with its commented-out message for the demo's models instead."""
     code, n = re.subn(r'^path = "[^"]*"', lambda m: f"path = {str(path)!r}", readme_snippet(), flags=re.M)
-    assert n == 1, "the README snippet no longer sets path = \"...\" on a line of its own"
+    assert n == 1, "the snippet no longer sets path = \"...\" on a line of its own"
     if demo_message:
         code, n = re.subn(r"^# (messages = .*)$", r"\1", code, flags=re.M)  # the later assignment wins
         assert n == 1
     capsys.readouterr()
     namespace = {}
-    exec(compile(code, "README.md (transformers snippet)", "exec"), namespace)
+    exec(compile(code, "docs/checkpoints.md (transformers snippet)", "exec"), namespace)
     return namespace, capsys.readouterr().out
 
 
@@ -174,7 +174,7 @@ def test_readme_snippet_on_the_demo_model(capsys):
     question = namespace["messages"][0]["content"]
     assert namespace["messages"] == [{"role": "user", "content": arith.prompt({"question": question})}]
     completion = assert_snippet_matches_engine(path, namespace, printed)
-    assert printed.endswith("#### 34\n") and completion[-1] == 260, printed  # what the README says it answers, then its turn ends
+    assert printed.endswith("#### 34\n") and completion[-1] == 260, printed  # what docs/checkpoints.md says it answers, then its turn ends
 
 
 def test_readme_snippet_on_a_real_model_style_checkpoint(tmp_path, capsys):

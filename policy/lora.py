@@ -1,0 +1,180 @@
+"""
+LoRA (Hu et al. 2021): the base model frozen, and each adapted projection y = W x trained as
+
+    y = W x + (alpha / r) B A x,     A (r, in) random, B (out, r) zero at the start: the base model exactly.
+
+Memory is why: full fine-tuning keeps fp32 weights, gradients and both AdamW moments, 16 bytes a parameter;
+with LoRA the base is 2 bytes a parameter (bf16 on CUDA; fp32, 4, on the CPU, where compute is fp32) and only the
+adapters, a fraction of a percent of them, get gradients and AdamW state. Quality is the question, and for RL the
+answer is in "LoRA Without Regret" (Schulman et al. 2025): policy-gradient RL, which learns about one bit an
+episode, matches full fine-tuning with LoRA even at rank 1, if the learning rate is about 10x full fine-tuning's
+(chat_rl's --lora-lr) and adapters sit on every linear layer, the MLP's included (--lora-targets' default).
+
+Where chat_rl meets it: plumbing/checkpoint.build_policy calls add_adapters when it builds the model, chat_rl.train
+gives AdamW only the parameters that still require a gradient, and a checkpoint holds the merged weights as a plain
+Hugging Face folder (merged_state_dict), with the adapter alone beside it as a PEFT folder (save_adapter, which
+peft.PeftModel.from_pretrained loads on the base; load_adapter reads one back).
+
+The fused Linears (qkv_proj, gate_up_proj) get one A and one B per projection they hold (q_proj, k_proj, v_proj;
+gate_proj, up_proj), under the names Hugging Face and PEFT give them: `model.layers.0.self_attn.q_proj`.
+
+Sampling runs the adapters beside the frozen base (a forward hook adds the second term to each adapted Linear's
+output), not a merged copy of the weights: a copy would cost another base model of memory and a merge every step;
+beside it, a decode pass runs two small matmuls more per adapted Linear (docs/benchmarks.md has the cost).
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear layer
+
+
+class Adapter(nn.Module):
+    """
+    The LoRA term of one Linear, x (..., in) -> (..., out): for each projection p the Linear holds (parts, in its row
+    order), scale * B_p A_p x where p is a target, 0 where it is not. One matmul by the targets' A's stacked, one by
+    their B's laid block-diagonally (zero columns for the projections left out), so a fused Linear's adapters cost
+    two matmuls, not two per projection.
+    """
+
+    def __init__(self, in_features, parts, targets, rank, alpha, generator):
+        super().__init__()
+        self.widths, self.scale = dict(parts), alpha / rank
+        adapted = [name for name in parts if name in targets]
+        self.lora_A = nn.ParameterDict({name: nn.Parameter(torch.empty(rank, in_features)) for name in adapted})
+        self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.zeros(parts[name], rank)) for name in adapted})
+        for a in self.lora_A.values():  # PEFT's initialisation: A as nn.Linear's weight, B zero
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+    def forward(self, x):
+        a = torch.cat([self.lora_A[name] for name in self.widths if name in self.lora_A])  # (targets x r, in), in row order
+        b = torch.block_diag(*(self.lora_B[name] if name in self.lora_B else a.new_zeros(width, 0)
+                               for name, width in self.widths.items()))  # (out, targets x r)
+        return F.linear(F.linear(x, a), b) * self.scale
+
+
+def parse_targets(text):
+    """--lora-targets: "all-linear" (PEFT's word for every linear layer but the head) or names, "q_proj,v_proj"."""
+    targets = list(TARGETS) if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'empty'} "
+                         f"(all-linear, or names from {', '.join(TARGETS)})")
+    return targets
+
+
+def adapted_linears(model):
+    """(name, Linear, {projection: rows}) of every Linear of the decoder layers, fused or not."""
+    for name, module in model.model.layers.named_modules(prefix="model.layers"):
+        if isinstance(module, nn.Linear):
+            yield name, module, getattr(module, "parts", {name.rpartition(".")[2]: module.out_features})
+
+
+def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
+    """Freeze the model (its base in base_dtype, None: as it is) and give each target projection a LoRA adapter in
+    fp32, B = 0: the same function as before, now trainable only through the adapters. Returns the model."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if base_dtype is not None:
+            p.data = p.data.to(base_dtype)  # parameters only: the RoPE frequencies stay fp32
+    generator = torch.Generator().manual_seed(seed)
+    for _, linear, parts in adapted_linears(model):
+        if set(parts) & set(targets):
+            device = linear.weight.device
+            linear.lora = Adapter(linear.in_features, parts, targets, rank, alpha, generator).to(device)
+            linear.lora_hook = linear.register_forward_hook(_add_lora_term)
+    model.lora_config = dict(rank=rank, alpha=alpha, targets=list(targets))
+    return model
+
+
+def _add_lora_term(linear, inputs, output):
+    return output + linear.lora(inputs[0])
+
+
+def has_adapters(model):
+    return hasattr(model, "lora_config")
+
+
+def adapter_state_dict(model):
+    """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in), lora_B.weight (out, r)."""
+    state = {}
+    for name, linear, _ in adapted_linears(model):
+        if hasattr(linear, "lora"):
+            parent = name.rpartition(".")[0]
+            for part in linear.lora.lora_A:
+                for kind in ("lora_A", "lora_B"):
+                    state[f"base_model.model.{parent}.{part}.{kind}.weight"] = getattr(linear.lora, kind)[part]
+    return state
+
+
+def merged_state_dict(model):
+    """The weights a plain model with the adapters folded in would hold, under the checkpoints' names, in fp32:
+    W + scale * B A per projection (a bf16 base would round away the small updates, so they are kept in fp32)."""
+    state = {name: tensor.detach().float().clone() for name, tensor in model.hf_state_dict().items()}
+    for name, linear, _ in adapted_linears(model):
+        if hasattr(linear, "lora"):
+            parent = name.rpartition(".")[0]
+            for part, a in linear.lora.lora_A.items():
+                state[f"{parent}.{part}.weight"] += linear.lora.scale * (linear.lora.lora_B[part] @ a).detach().float()
+    return {name: tensor.cpu() for name, tensor in state.items()}
+
+
+def save_adapter(model, path, base_model):
+    """A PEFT folder: adapter_config.json and adapter_model.safetensors (fp32), for PeftModel.from_pretrained(base)."""
+    cfg = model.lora_config
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in adapter_state_dict(model).items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                   "r": cfg["rank"], "lora_alpha": cfg["alpha"], "target_modules": sorted(cfg["targets"]),
+                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                   "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}, f, indent=2)
+
+
+def read_adapter_config(path):
+    """A PEFT LoRA folder's settings: (base model, rank, alpha, targets); a ValueError in one line if it is not one."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("modules_to_save") or cfg.get("bias", "none") != "none":
+        raise ValueError(f"{path}: only plain LoRA adapters load here (no DoRA, bias or modules_to_save)")
+    targets = cfg["target_modules"]
+    targets = [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)  # "all-linear"
+    return cfg["base_model_name_or_path"], cfg["r"], cfg["lora_alpha"], targets
+
+
+def load_adapter(model, path):
+    """The adapter weights of a PEFT folder into the model's adapters (made by add_adapters with its settings)."""
+    saved = load_file(os.path.join(path, "adapter_model.safetensors"))
+    saved = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v for k, v in saved.items()}
+    ours = adapter_state_dict(model)
+    if set(saved) != set(ours):
+        missing = sorted(set(ours) ^ set(saved))[0]
+        raise ValueError(f"{path}: its adapter does not fit this model ({missing} is only on one side)")
+    with torch.no_grad():
+        for name, p in ours.items():
+            p.copy_(saved[name])
+
+
+def merge_adapters(model):
+    """Fold the adapters into the base weights, in fp32, and remove them: a plain, trainable model again (a full
+    fine-tuning run that starts from base + adapter)."""
+    merged = merged_state_dict(model)
+    for _, linear, _ in adapted_linears(model):
+        if hasattr(linear, "lora"):
+            linear.lora_hook.remove()
+            del linear.lora, linear.lora_hook
+    del model.lora_config
+    for p in model.parameters():
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    with torch.no_grad():
+        for name, p in model.hf_state_dict(keep_vars=True).items():
+            p.copy_(merged[name])
+    return model
