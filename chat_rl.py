@@ -12,15 +12,14 @@ per GPU; alone on a laptop there is one rank):
      to read, the Engine the fast one (each prompt's keys and values kept, its KV cache, so a token costs one
      forward over one position); where a completion writes GSM8K's calculator call `<<48/2=`, the result `24>>` is
      forced in (--tool);
-  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) or your own --reward:
-     1 if the final answer is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given
-     once, in the task's form, at the end);
+  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): 1 if the final answer
+     is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given once, in the task's form, at
+     the end); or with your own --reward, any number (one that raises scores 0: tasks/common.rewards);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
   5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
      softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it, which the
-     loss does not model: TRL samples without top-k for this reason), the normaliser every sampled token of the
-     step (--loss-norm);
+     loss does not model: keep it 0), the normaliser every sampled token of the step (--loss-norm);
   6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
@@ -140,7 +139,7 @@ HYPERPARAMETERS = dict(
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress="", problem_ids=None, system_prompt=""):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
-    samples of problems[0], then of problems[1], ...); an engine call decodes whole groups, rows_per_call rows at most.
+    samples of problems[0], then of problems[1], ...); an engine call decodes whole groups, rows_per_call rows or one.
     A problem's samples draw from a stream of its own, from seed and its id (its index in the step or the eval set:
     problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
     tokenizer = engine.tokenizer
@@ -194,7 +193,8 @@ def policy_gradient_loss(logp, sampled, advantages, normaliser):
     """Step 5's objective on a micro-batch: -(sum over sampled tokens of advantage * logp) / normaliser. logp (B, T):
     each token's log-probability at the sampling temperature; sampled (B, T): True where the policy drew the token
     (not prompt, tool result, padding); advantages (B,); normaliser: a number, or (B, 1) for --loss-norm=sequence.
-    Change it and change loss_grad below with it: the fast path made its gradients for that, and says so if not."""
+    Change it and change loss_grad below with it (the fast path made its gradients for that, and says so if not), or,
+    for a loss not linear in logp (a ratio, a KL), pass loss_grad=None: the fast path then recomputes its head."""
     return -(advantages[:, None] * logp * sampled / normaliser).sum()
 
 
@@ -261,7 +261,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
 
 # ---- 6. step -------------------------------------------------------------------------------------
 def adamw(parameters, lr, weight_decay):
-    """AdamW over the trained parameters, fused: one kernel for every parameter's update, not several per tensor."""
+    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one group: a weight decay would reach norms too."""
     return torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
@@ -338,7 +338,7 @@ def train(cfg, rank, world, device):
     for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates the final weights
         if stop.requested(device):
             break
-        if cfg.eval_only or cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps):
+        if cfg.eval_only or (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)):
             model.eval()
             with autocast, fsdp.gathered(model):
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
@@ -349,7 +349,7 @@ def train(cfg, rank, world, device):
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
-        problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1.
+        problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1. contiguous share
         model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
         with autocast, fsdp.gathered(model):                                                            # 2-3.
@@ -367,7 +367,7 @@ def train(cfg, rank, world, device):
             device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
             autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
             vocab_size=tokenizer.vocab_size)
-        sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank); a rank with no kept row adds 0
+        sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank; FSDP's divide factor is 1)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = peak_lr * (1 - step / num_steps)  # linear decay to 0
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)

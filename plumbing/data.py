@@ -107,7 +107,8 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
 
 
 def derive_seed(*parts):
-    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "rollout", step, rank) or
-    (run seed, "data", epoch); bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1,
-    epoch 0). Evals reuse one stream per rank, so pass@k moves with the policy, not with the sampling noise."""
+    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data", epoch), or (the step's
+    seed (run seed, "rollout", step), a problem's place in the step); bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1,
+    epoch 0). Every eval draws from the same streams (one per held-out problem), so pass@k moves with the policy, not
+    with the sampling noise."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -53,6 +54,8 @@ def run(train, hyperparameters, doc, argv):
     except RunError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"chat_rl: error: {e}", file=sys.stderr)
+        elif os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun stops every rank once one exits: rank 0 speaks first
+            time.sleep(1.0)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
         if torch.distributed.is_initialized():

@@ -2,7 +2,8 @@
 Memory of a training micro-batch, with and without --activation-checkpointing.
 
     python -m scripts.bench_memory                # peak of one forward+backward, 12-layer config, on this CPU
-    python -m scripts.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 7B shapes
+    python -m scripts.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 3B / 7B shapes
+    python -m scripts.bench_memory --table        # per-GPU memory: full fine-tuning beside LoRA (--lora-rank=16)
 
 Peak (the default): a 12-layer model (width 768, SwiGLU 2048, 12 heads over 4 KV heads, vocabulary
 32768, tied head: 101M parameters) runs one forward+backward of the per-token NLL that chat_rl's loss
@@ -36,6 +37,7 @@ import time
 import torch
 
 from fast import logprobs
+from policy import lora
 from policy.gpt import GPT, GPTConfig
 
 TWELVE_LAYERS = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -45,6 +47,8 @@ QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 7B}-Instruct's config.json
                  num_attention_heads=14, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
     "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
+    "3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
     "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=False),
 }
@@ -137,38 +141,80 @@ def peak(rows, tokens):
               f"{r['saved_mib']:>23.0f} {r['seconds']:>7.1f}")
 
 
+def saved_per_token(shape, lora_rank=0, tokens=256):
+    """Bytes autograd keeps per token for one decoder layer of the shape, plain and checkpointed, and for the head,
+    bf16 (as on CUDA): with lora_rank, the layer frozen and LoRA adapters on all its projections (policy/lora.py)."""
+    model = GPT(GPTConfig(**{**shape, "num_hidden_layers": 1}))  # one layer of the shape: the rest repeats it
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    if lora_rank:
+        lora.add_adapters(model, lora_rank, 32.0)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)  # under autocast on CUDA the adapters compute in bf16 too
+    else:
+        model = model.to(torch.bfloat16)
+    idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
+    x = model.model.embed_tokens(idx).detach().requires_grad_(not lora_rank)  # the layer's input (B, T, C), bf16
+    rope = model.rope(torch.arange(tokens)[None])
+    layer = {}
+    for checkpointing in (False, True):
+        with SavedBytes(model) as saved:
+            h = x
+            for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
+                h = (torch.utils.checkpoint.checkpoint(block, h, rope, None, None, use_reentrant=False)
+                     if checkpointing else block(h, rope, None, None))
+        layer[checkpointing] = saved.total / tokens
+    with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
+        hidden = model.model.norm(h.detach().requires_grad_())
+        torch.nn.functional.cross_entropy(model.lm_head(hidden[0]).float(), targets[0])
+    return layer[False], layer[True], saved.total / tokens
+
+
+def table(lora_rank=16, tokens=16384):
+    """Per-GPU training memory (GB) of full fine-tuning and of LoRA at lora_rank, one GPU (or every rank of a DDP run),
+    a micro-batch of `tokens` tokens, every one a target: state + activations, each measured or counted."""
+    print(f"per-GPU training memory, GB: micro-batch of {tokens} tokens (--device-batch-tokens), every token a target; "
+          f"LoRA rank {lora_rank} on every projection; torch {torch.__version__}")
+    print("| Qwen2.5 | params | LoRA params | state: full / LoRA | activations: full / LoRA | full: plain / checkpointed "
+          "| LoRA: plain / checkpointed |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, shape in QWEN25.items():
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**shape))
+            params = model.num_params()
+            lora.add_adapters(model, lora_rank, 32.0)
+            adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        state = {"full": 16 * params, "lora": 2 * (params - adapters) + 16 * adapters}  # fp32 w+g+2 moments; bf16 base
+        peaks, activations = {}, {}
+        for kind, rank in (("full", 0), ("lora", lora_rank)):
+            layer, layer_checkpointed, head = saved_per_token(shape, rank)
+            n = shape["num_hidden_layers"]
+            activations[kind] = (n * layer + head) * tokens
+            # checkpointed: every layer's input, and the one layer the backward pass recomputes at a time
+            peaks[kind] = [state[kind] + (n * layer + head) * tokens,
+                           state[kind] + (n * layer_checkpointed + layer + head) * tokens]
+        gb = lambda b: f"{b / 1e9:.0f}" if b >= 1e10 else f"{b / 1e9:.1f}"  # noqa: E731
+        print(f"| {name} | {params / 1e9:.2f}B | {adapters / 1e6:.1f}M | {gb(state['full'])} / {gb(state['lora'])} | "
+              f"{gb(activations['full'])} / {gb(activations['lora'])} | {' / '.join(map(gb, peaks['full']))} | "
+              f"{' / '.join(map(gb, peaks['lora']))} |")
+
+
 def per_token(tokens=256):
     """Saved bytes per token of one decoder layer (plain, and checkpointed: its input only) and of the head."""
     print(f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), torch {torch.__version__}")
     print(f"{'shape':<6} {'params':>8} {'layer':>9} {'layer, checkpointed':>20} {'head':>10}")
     for name, shape in QWEN25.items():
-        config = GPTConfig(**{**shape, "num_hidden_layers": 1})
         with torch.device("meta"):
             params = GPT(GPTConfig(**shape)).num_params()
-        model = GPT(config).to(torch.bfloat16)  # one layer of the shape: the rest repeats it
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-        idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
-        x = model.model.embed_tokens(idx)  # the layer's input (B, T, C), bf16
-        rope = model.rope(torch.arange(tokens)[None])
-        layer = {}
-        for checkpointing in (False, True):
-            with SavedBytes(model) as saved:
-                h = x
-                for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
-                    h = (torch.utils.checkpoint.checkpoint(block, h, rope, None, None, use_reentrant=False)
-                         if checkpointing else block(h, rope, None, None))
-            layer[checkpointing] = saved.total
-        with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
-            hidden = model.model.norm(h.detach().requires_grad_())
-            torch.nn.functional.cross_entropy(model.lm_head(hidden[0]).float(), targets[0])
-        print(f"{name:<6} {params / 1e9:>7.2f}B {layer[False] / tokens:>9.0f} {layer[True] / tokens:>20.0f} "
-              f"{saved.total / tokens:>10.0f}")
+        layer, layer_checkpointed, head = saved_per_token(shape, tokens=tokens)
+        print(f"{name:<6} {params / 1e9:>7.2f}B {layer:>9.0f} {layer_checkpointed:>20.0f} {head:>10.0f}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="activation memory with and without activation checkpointing")
     p.add_argument("--per-token", action="store_true")
+    p.add_argument("--table", action="store_true", help="per-GPU memory of full fine-tuning and LoRA, Qwen2.5 shapes")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
@@ -181,5 +227,7 @@ if __name__ == "__main__":
         peak_worker(bool(args.worker), args.rows, args.tokens)
     elif args.per_token:
         per_token()
+    elif args.table:
+        table(args.lora_rank)
     else:
         peak(args.rows, args.tokens)

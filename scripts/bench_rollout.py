@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine import Engine, compaction_moves, next_logits, sample_next_token
+from policy import lora
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_memory, bench_rl_step, op_count
 from scripts.bench_rl_step import best_of
@@ -283,7 +284,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
     p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
-                                           "tool (default all)")
+                                           "lora, tool (default all)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
@@ -371,6 +372,16 @@ def main(argv=None):
             f"{parts['update_matmuls']:.1f} s", f"{parts['update_matmuls'] / parts['update']:.0%}", "")
         add("update, fast_logprobs", f"{parts['update']:.2f} s", f"plain_logprobs: {parts['update_whole']:.2f} s",
             f"{parts['update'] / parts['update_whole']:.2f}x", "")
+    if wanted("lora"):  # LoRA adapters beside the frozen base (policy/lora.py) against the same model without them
+        model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
+        prompts, samples = random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size), 4 if quick else 16
+        adapted = lora.add_adapters(GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval(), 16, 32.0)
+        speeds = {"base": 0.0, "lora": 0.0}
+        for _ in range(2 if quick else 3):  # in turn, the best of each: the machine is shared
+            for name, m in (("base", model), ("lora", adapted)):
+                speeds[name] = max(speeds[name], engine_tokens_per_s(m, prompts, samples, new_tokens, top_k))
+        add(f"LoRA rank 16, every projection, {len(prompts)}x{samples}", f"{speeds['lora']:,.0f} tok/s",
+            f"the base alone: {speeds['base']:,.0f} tok/s", f"{speeds['lora'] / speeds['base']:.2f}x", "")
     if wanted("tool"):  # the calculator on against off, on the demo's policy
         for label, (calls, on, off) in zip(("as it starts", "every row calling"), tool_overhead(quick, tries=2 if quick else 5)):
             add(f"calculator on, demo model, {label}, {calls:.1f} calls a row", f"{on:,.0f} tok/s", f"calculator off: {off:,.0f} tok/s",

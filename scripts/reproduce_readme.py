@@ -3,6 +3,7 @@ The README's demo table, rerun and printed as the README shows it:
 
     python -m scripts.reproduce_readme                    # 6 demo runs, ~3.5 min each on 2 CPU cores, into runs/readme/
     python -m scripts.reproduce_readme --out=DIR --print  # only print the table of runs already in DIR
+    python -m scripts.reproduce_readme --lora             # docs/benchmarks.md's LoRA table: 3 seeds x full, rank 1, 16
 
 Each row is `python -m chat_rl --preset=demo` with the flags below and --out-dir=DIR/<name>; a folder that already
 holds a finished run (its step-150 eval) is read, not rerun. The table is step 0 -> the last step's held-out eval.
@@ -22,6 +23,10 @@ RUNS = {  # name: (the row's label, its flags beside --preset=demo)
     "seed0-none": ("seed 0, `--tool=none`", ["--seed=0", "--tool=none"]),
     "seed0-plain": ("seed 0, `--logprobs=plain`", ["--seed=0", "--logprobs=plain"]),
     "seed0-kept": ("seed 0, `--loss-norm=kept_tokens`", ["--seed=0", "--loss-norm=kept_tokens"]),
+}
+LORA_RUNS = {  # the seeds of full fine-tuning above, beside LoRA at rank 1 and 16 (--preset=demo's --lora-lr)
+    **{f"seed{i}": (f"seed {i}, full", [f"--seed={i}"]) for i in range(3)},
+    **{f"seed{i}-r{r}": (f"seed {i}, `--lora-rank={r}`", [f"--seed={i}", f"--lora-rank={r}"]) for r in (1, 16) for i in range(3)},
 }
 
 
@@ -51,9 +56,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="rerun the README's demo table and print it")
     p.add_argument("--out", default="runs/readme", help="one folder per run goes here")
     p.add_argument("--print", action="store_true", dest="print_only", help="print the table of the runs there, run nothing")
+    p.add_argument("--lora", action="store_true", help="the LoRA table (3 seeds x full, rank 1, rank 16) instead")
     args = p.parse_args(argv)
-    seconds = {}
-    for name, (_, flags) in RUNS.items():
+    runs, seconds = LORA_RUNS if args.lora else RUNS, {}
+    for name, (_, flags) in runs.items():
         folder = os.path.join(args.out, name)
         if args.print_only or any(e["step"] == 150 for e in evals(folder)):
             continue
@@ -65,6 +71,8 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "chat_rl", "--preset=demo", *flags, f"--out-dir={folder}"], env=env,
                        check=True, stdout=subprocess.DEVNULL)
         seconds[name] = time.time() - t0
+    if args.lora:
+        return print_lora_table(args.out)
     print("\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@8 | samples calling the tool | greedy calling it |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, (label, flags) in RUNS.items():
@@ -74,6 +82,34 @@ def main(argv=None):
     for name, s in seconds.items():
         print(f"{name}: {s / 60:.1f} min")
     return 0
+
+
+def print_lora_table(out):
+    """Each run's step 0 -> 150 (greedy, pass@1, the widest pass@k, tool use), its trained parameters (the run's first
+    line) and its wall time (the step times of its train rows, summed)."""
+    print("\n| run | trained parameters | pass@1 (T = 1) | greedy (T = 0) | pass@8 | samples calling the tool | time in steps |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (label, flags) in LORA_RUNS.items():
+        rows = evals(os.path.join(out, name))
+        if len(rows) < 2:
+            continue
+        first, last = rows[0], rows[-1]
+        with open(os.path.join(out, name, "metrics.jsonl")) as f:
+            minutes = sum(r.get("step_time_s", 0) for r in map(json.loads, f) if "split" not in r) / 60
+        rank = int(next((f.split("=")[1] for f in flags if f.startswith("--lora-rank")), 0))
+        cells = [label, f"{trained_parameters(rank):,}"]
+        cells += [f"{100 * first[k]:.1f}% -> {100 * last[k]:.1f}%" for k in ("pass@1", "greedy", "pass@8", "tool_use")]
+        print("| " + " | ".join(cells + [f"{minutes:.1f} min"]) + " |")
+    return 0
+
+
+def trained_parameters(rank):
+    """The demo model's trained parameters: all of them (rank 0), or its adapters' at a rank, every projection."""
+    from plumbing.checkpoint import load_policy
+    from policy import lora
+    model = load_policy("demo_model", "cpu")[0]
+    model = lora.add_adapters(model, rank, 32.0) if rank else model
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 if __name__ == "__main__":

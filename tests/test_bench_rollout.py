@@ -6,7 +6,7 @@ import re
 from scripts import bench_rollout
 
 ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode pass, top-k 0", "64 new tokens", "mixed lengths",
-        "sampling", "log-prob pass peak", "RL step", "update against its own matmuls", "update, fast_logprobs", "calculator on, demo model, as it starts",
+        "sampling", "log-prob pass peak", "RL step", "update against its own matmuls", "update, fast_logprobs", "LoRA rank 16", "calculator on, demo model, as it starts",
         "calculator on, demo model, every row calling")
 
 
@@ -16,7 +16,7 @@ def test_quick_bench_prints_every_row_with_finite_figures_and_positive_ratios(ca
     for row in ROWS:
         assert row in table, row
     rows = [line.strip("|").split(" | ") for line in table.splitlines()[2:] if line.startswith("| ")]
-    assert len(rows) == 15
+    assert len(rows) == 16
     for case, engine, compared, ratio, _ in rows:
         assert not re.search(r"(?<![a-z])(nan|inf)", " ".join((engine, compared, ratio)), re.I), case
         # the ratio of two measured figures (speeds, times, sizes), computed before rounding: above zero

@@ -24,3 +24,17 @@ def test_the_table_reads_step_0_and_the_last_eval_of_each_finished_run(tmp_path,
     assert "| seed 0 | 49.2% -> 90.1% (+40.9) | 77.5% -> 92.0% (+14.5) | 91.5% -> 97.0% | 14.7% -> 99.2% | 0% -> 100% |" in lines
     assert "| seed 0, `--tool=none` | 49.2% -> 90.1% (+40.9) | 77.5% -> 92.0% (+14.5) | 91.5% -> 97.0% | (off) | (off) |" in lines
     assert not any(line.startswith("| seed 1 ") for line in lines)  # no run there: no row
+
+
+def test_the_lora_table_reads_each_run_with_its_trained_parameters_and_step_time(tmp_path, capsys):
+    start = {"greedy": 0.775, "pass@1": 0.5, "pass@8": 0.95, "tool_use": 0.13, "greedy_tool_use": 0.0}
+    end = {"greedy": 0.93, "pass@1": 0.9, "pass@8": 0.97, "tool_use": 0.99, "greedy_tool_use": 1.0}
+    for name in ("seed0", "seed1-r16"):
+        write_run(tmp_path / name, [(0, start), (150, end)])
+        with open(tmp_path / name / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": s, "step_time_s": 1.5}) + "\n" for s in range(4))
+    assert reproduce_readme.main([f"--out={tmp_path}", "--print", "--lora"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| seed 0, full | 821,376 | 50.0% -> 90.0% | 77.5% -> 93.0% | 95.0% -> 97.0% | 13.0% -> 99.0% | 0.1 min |" in lines
+    assert "| seed 1, `--lora-rank=16` | 155,648 | 50.0% -> 90.0% | 77.5% -> 93.0% | 95.0% -> 97.0% | 13.0% -> 99.0% | 0.1 min |" in lines
+    assert not any(line.startswith("| seed 2") for line in lines)
