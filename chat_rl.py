@@ -97,7 +97,7 @@ HYPERPARAMETERS = dict(
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
-    temperature=        (1.0,                           1.0,           "sampling temperature for rollouts"),
+    temperature=        (1.0,                           1.0,           "sampling temperature for rollouts, > 0 (the loss divides by it)"),
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
@@ -117,7 +117,7 @@ HYPERPARAMETERS = dict(
     lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
     lora_targets=       ("all-linear",                  "all-linear",  "projections with adapters: all-linear, or a list: q_proj,v_proj"),
-    lora_lr=            (3e-5,                          3e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
+    lora_lr=            (3e-5,                          1e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
     max_nonfinite=      (5,                             5,             "stop after this many non-finite updates in a row"),
@@ -139,7 +139,7 @@ HYPERPARAMETERS = dict(
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             rows_per_call=256, progress="", problem_ids=None, system_prompt=""):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
-    samples of problems[0], then of problems[1], ...); an engine call decodes whole groups, rows_per_call rows or one.
+    samples of problems[0], then of problems[1], ...); an engine call decodes max(1, rows_per_call // num_samples) groups.
     A problem's samples draw from a stream of its own, from seed and its id (its index in the step or the eval set:
     problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
     tokenizer = engine.tokenizer
@@ -243,7 +243,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     # at most device_batch_size rows and device_batch_tokens tokens a pass, rows counted whole (rows x longest row)
     lengths = [len(sequences[i]) - 1 for i in keep]
     batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
-    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: as many passes on every rank (empty ones add 0)
+    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: every rank the same passes, or its gathers hang
     loss_sum = torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
@@ -261,7 +261,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
 
 # ---- 6. step -------------------------------------------------------------------------------------
 def adamw(parameters, lr, weight_decay):
-    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one group: a weight decay would reach norms too."""
+    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0 decays norms too."""
     return torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
@@ -355,8 +355,8 @@ def train(cfg, rank, world, device):
         with autocast, fsdp.gathered(model):                                                            # 2-3.
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step), format_weight=cfg.format_weight,
-                          rows_per_call=cfg.generate_batch_rows,  # each problem its stream, by its place in the step
-                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)), system_prompt=cfg.system_prompt)
+                          rows_per_call=cfg.generate_batch_rows, system_prompt=cfg.system_prompt,  # each problem its
+                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)))  # stream, by its place
         t_rollout = time.time() - t0
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
             break

@@ -20,6 +20,7 @@ import torch
 
 from plumbing.distributed import setup_distributed
 from policy import lora
+from tasks import generic
 from tasks.common import get_task
 
 PRESETS = ("demo",)  # the second column of chat_rl.HYPERPARAMETERS
@@ -193,14 +194,12 @@ def check_config(cfg, world_size):
 def load_task(cfg):
     """The task --task names, with the generic task's options; what cannot be loaded is a ConfigError, before any data
     or model is touched."""
-    options = {}
-    if cfg.task == "data":
-        if not cfg.data:
-            raise ConfigError("--task=data trains on your own rows: name them with --data=<file, folder or hub id>")
-        options = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, instruction=cfg.instruction,
-                       verifier=cfg.verifier, reward=cfg.reward)
+    if cfg.task == "data" and not cfg.data:
+        raise ConfigError("--task=data trains on your own rows: name them with --data=<file, folder or hub id>")
     try:
-        return get_task(cfg.task, **options)
+        if cfg.task == "data":
+            return generic.make(cfg.prompt_column, cfg.answer_column, cfg.instruction, cfg.verifier, cfg.reward)
+        return get_task(cfg.task)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -33,12 +33,9 @@ TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith
 INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_ok")
 
 
-def get_task(name, **options):
-    """The task --task names. options are the generic task's (tasks/generic.make); a user's module or file is checked
-    for the interface: anything missing is a ValueError naming it."""
-    if name == "data":
-        from tasks import generic
-        return generic.make(**options)
+def get_task(name):
+    """The task --task names, built-in or a user's module or file, checked for the interface: anything missing is a
+    ValueError naming it. (The generic task, "data", is made from its flags: tasks/generic.make.)"""
     if name in TASKS:
         return importlib.import_module(TASKS[name])
     if not (name.endswith(".py") or "/" in name or "." in name):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import chat_rl
 from plumbing import checkpoint
 from plumbing.data import problems_for_step
-from tasks import arith
+from tasks import arith, generic
 from tasks.common import get_task, rewards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def reward(completion, row):
 
 def test_rewards_that_raise_or_return_nan_score_zero_and_are_counted(tmp_path):
     (tmp_path / "r.py").write_text(FLAKY_REWARD)
-    task = get_task("data", prompt_column="q", answer_column="sol", reward=str(tmp_path / "r.py") + ":reward")
+    task = generic.make(prompt_column="q", answer_column="sol", reward=str(tmp_path / "r.py") + ":reward")
     assert rewards(task, "#### 3", "3", row=TRAIN[0]) == {"answer": 1.0, "format": 1.0, "total": 1.0}
     assert rewards(task, "#### 3", "3", row=TRAIN[3]) == {"answer": 0.0, "format": 0.0, "total": 0.0,
                                                          "error": "KeyError: 'no such thing'"}
@@ -146,7 +146,7 @@ def test_a_reward_that_fails_on_every_completion_stops_in_one_line(tmp_path, cap
 MY_TASK = '''
 """A user's task: arith's problems, the answer read from a 'Final:' line."""
 import re
-from tasks import arith
+from tasks import arith, generic
 
 
 def load(split, limit=None):
