@@ -76,7 +76,7 @@ from tasks.common import conversation, rewards as reward_terms
 HYPERPARAMETERS = dict(
     # name               default                        --preset=demo  meaning
     task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline) | data (--data) | my_pkg.my_task | path/to/task.py"),
-    model=              ("Qwen/Qwen2.5-0.5B-Instruct",  "demo_model",  "hub id or Hugging Face folder (config.json + safetensors)"),
+    model=              ("Qwen/Qwen2.5-0.5B-Instruct",  "demo_model",  "hub id, Hugging Face folder (config.json + safetensors) or PEFT LoRA folder"),
     out_dir=            ("out",                         "out/demo",    "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=        ("",                            "cpu",         "cpu | cuda | mps; empty = autodetect"),
     seed=               (0,                             0,             "seeds data order, sampling and evaluation"),
@@ -98,7 +98,7 @@ HYPERPARAMETERS = dict(
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts, > 0 (the loss divides by it)"),
-    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut; TRL samples without)"),
+    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
     generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
