@@ -68,7 +68,7 @@ def stop_line(step, num_steps, minutes, out_dir, evaluated=""):
         return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
                 f"to continue: the same command, with all its flags, plus --resume")
     return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
-            f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from --lr)")
+            f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)")
 
 
 def all_rewards_failed(errors, device):
