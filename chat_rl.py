@@ -116,7 +116,7 @@ HYPERPARAMETERS = dict(
     # LoRA (policy/lora.py): a frozen base, adapters trained; RL wants about 10x the learning rate of full fine-tuning
     lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
-    lora_targets=       ("all-linear",                  "all-linear",  "projections with adapters: all-linear, or a list: q_proj,v_proj"),
+    lora_targets=       ("all-linear",                  "all-linear",  "adapted projections: all-linear or q_proj,v_proj,...; ,lm_head/,embed_tokens: trained whole"),
     lora_lr=            (3e-5,                          1e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),

@@ -16,7 +16,10 @@ Hugging Face folder (merged_state_dict), with the adapter alone beside it as a P
 peft.PeftModel.from_pretrained loads on the base; load_adapter reads one back).
 
 The fused Linears (qkv_proj, gate_up_proj) get one A and one B per projection they hold (q_proj, k_proj, v_proj;
-gate_proj, up_proj), under the names Hugging Face and PEFT give them: `model.layers.0.self_attn.q_proj`.
+gate_proj, up_proj), under the names Hugging Face and PEFT give them: `model.layers.0.self_attn.q_proj`. The
+embeddings and the head stay frozen unless --lora-targets names them; then they train whole, in fp32 (PEFT's
+modules_to_save), at 16 bytes a parameter like full fine-tuning: a 152k-token vocabulary's matrix is 136M parameters
+at 0.5B's width.
 
 Sampling runs the adapters beside the frozen base (a forward hook adds the second term to each adapted Linear's
 output), not a merged copy of the weights: a copy would cost another base model of memory and a merge every step;
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear layer
+WHOLE = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}  # frozen unless named: then trained whole
 
 
 class Adapter(nn.Module):
@@ -60,12 +64,14 @@ class Adapter(nn.Module):
 
 
 def parse_targets(text):
-    """--lora-targets: "all-linear" (PEFT's word for every linear layer but the head) or names, "q_proj,v_proj"."""
-    targets = list(TARGETS) if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        raise ValueError(f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'empty'} "
-                         f"(all-linear, or names from {', '.join(TARGETS)})")
+    """--lora-targets: "all-linear" (PEFT's word for every linear layer but the head) or names, "q_proj,v_proj", and
+    either may add embed_tokens and lm_head, which then train whole (PEFT's modules_to_save): "all-linear,lm_head"."""
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    targets = [name for t in targets for name in (TARGETS if t == "all-linear" else [t])]
+    unknown = [t for t in targets if t not in TARGETS and t not in WHOLE]
+    if unknown or not set(targets) & set(TARGETS):
+        raise ValueError(f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'no projection'} "
+                         f"(all-linear, or names from {', '.join(TARGETS)}; and embed_tokens, lm_head to train whole)")
     return targets
 
 
@@ -78,10 +84,12 @@ def adapted_linears(model):
 
 def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
     """Freeze the model (its base in base_dtype, None: as it is) and give each target projection a LoRA adapter in
-    fp32, B = 0: the same function as before, now trainable only through the adapters. Returns the model."""
+    fp32, B = 0: the same function as before, now trainable only through the adapters, and through the embeddings or
+    the head if targets names them (trained whole, in fp32; a tied head is the embeddings). Returns the model."""
+    whole = {id(model.get_parameter(WHOLE[name])) for name in targets if name in WHOLE}
     for p in model.parameters():
-        p.requires_grad_(False)
-        if base_dtype is not None:
+        p.requires_grad_(id(p) in whole)
+        if base_dtype is not None and id(p) not in whole:
             p.data = p.data.to(base_dtype)  # parameters only: the RoPE frequencies stay fp32
     generator = torch.Generator().manual_seed(seed)
     for _, linear, parts in adapted_linears(model):
@@ -102,8 +110,9 @@ def has_adapters(model):
 
 
 def adapter_state_dict(model):
-    """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in), lora_B.weight (out, r)."""
-    state = {}
+    """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in), lora_B.weight (out, r);
+    and the modules trained whole, base_model.model.lm_head.weight (both names of a tied matrix, as PEFT keeps both)."""
+    state = {f"base_model.model.{WHOLE[name]}": model.get_parameter(WHOLE[name]) for name in whole_modules(model)}
     for name, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):
             parent = name.rpartition(".")[0]
@@ -129,24 +138,32 @@ def save_adapter(model, path, base_model):
     """A PEFT folder: adapter_config.json and adapter_model.safetensors (fp32), for PeftModel.from_pretrained(base)."""
     cfg = model.lora_config
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.detach().float().contiguous().cpu() for k, v in adapter_state_dict(model).items()},
+    save_file({k: v.detach().float().cpu().clone() for k, v in adapter_state_dict(model).items()},  # a tied pair: two copies
               os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-                   "r": cfg["rank"], "lora_alpha": cfg["alpha"], "target_modules": sorted(cfg["targets"]),
+                   "r": cfg["rank"], "lora_alpha": cfg["alpha"], "target_modules": sorted(set(cfg["targets"]) & set(TARGETS)),
                    "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-                   "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}, f, indent=2)
+                   "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+                   "modules_to_save": whole_modules(model) or None}, f, indent=2)
+
+
+def whole_modules(model):
+    """The modules a LoRA run trains whole: those its targets name, and with a tied head, both of its names."""
+    named = [name for name in WHOLE if name in model.lora_config["targets"]]
+    return list(WHOLE) if named and model.config.tie_word_embeddings else named
 
 
 def read_adapter_config(path):
     """A PEFT LoRA folder's settings: (base model, rank, alpha, targets); a ValueError in one line if it is not one."""
     with open(os.path.join(path, "adapter_config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("modules_to_save") or cfg.get("bias", "none") != "none":
-        raise ValueError(f"{path}: only plain LoRA adapters load here (no DoRA, bias or modules_to_save)")
+    whole = cfg.get("modules_to_save") or []
+    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or set(whole) - set(WHOLE) or cfg.get("bias", "none") != "none":
+        raise ValueError(f"{path}: only LoRA adapters load here (no DoRA, no bias, modules_to_save only embed_tokens, lm_head)")
     targets = cfg["target_modules"]
     targets = [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)  # "all-linear"
-    return cfg["base_model_name_or_path"], cfg["r"], cfg["lora_alpha"], targets
+    return cfg["base_model_name_or_path"], cfg["r"], cfg["lora_alpha"], targets + [t for t in WHOLE if t in whole]
 
 
 def load_adapter(model, path):

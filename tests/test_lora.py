@@ -194,3 +194,28 @@ def test_two_ranks_train_the_adapters_one_process_trains(tmp_path):
         apart, moved = (adapters[0][k] - adapters[1][k]).abs().max(), adapters[0][k].abs().max()
         assert apart <= 0.05 * moved + 1e-7, k
     assert any(t.abs().sum() > 0 for name, t in adapters[0].items() if "lora_B" in name)
+
+
+@pytest.mark.parametrize("family, whole", [("llama", "lm_head"), ("qwen2", "embed_tokens")])  # untied; tied
+def test_the_head_or_the_embeddings_train_whole_when_named_and_peft_loads_them(tmp_path, family, whole):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    path, _ = base_folder(tmp_path, family)
+    targets = lora.parse_targets(f"all-linear,{whole}")
+    model = with_trained_adapters(GPT.from_pretrained(path).eval(), targets=targets)  # the head/embeddings moved too
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    named = {"lm_head": "lm_head.weight", "embed_tokens": "model.embed_tokens.weight"}[whole]
+    assert named in trained and {n for n in trained if ".lora." not in n} == {named}  # a tied head: one matrix
+    folder = save_checkpoint(model, tmp_path / "run", path)
+    config = json.load(open(folder / "adapter" / "adapter_config.json"))
+    assert config["modules_to_save"] == ([whole] if family == "llama" else ["embed_tokens", "lm_head"])
+    assert len(config["target_modules"]) == 7
+    with torch.no_grad():
+        ours = model(idx())
+        merged = AutoModelForCausalLM.from_pretrained(folder).eval()(idx()).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folder / "adapter").eval()(idx()).logits
+        again = build(str(folder / "adapter"), lora_rank=4)  # --model=<this PEFT folder>, trained on
+        torch.testing.assert_close(merged, ours, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(peft, ours, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again(idx()), ours, rtol=0, atol=0)
+    assert {n for n, p in again.named_parameters() if p.requires_grad} == trained
