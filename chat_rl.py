@@ -229,10 +229,6 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     each one's sum first divided by its own sampled tokens (GRPO's). Unanimous groups add 0: dropped before any pass."""
     group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
     keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
-    # sorted by prompt length (up to the first sampled token), group, length: a group's rows side by side (the
-    # fast path runs their prompt once), rows of similar length together (less padding)
-    prompt_length = lambda i: next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))  # noqa: E731
-    keep.sort(key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
     # the sampled tokens are the targets: mask[1:], as in make_batch (position 0 is never a target); summed over ranks
     sampled_tokens = [sum(mask[1:]) for mask in masks]
     counts = torch.tensor([sum(sampled_tokens[i] for i in keep), sum(sampled_tokens), len(masks)], dtype=torch.float)
@@ -240,9 +236,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    # at most device_batch_size rows and device_batch_tokens tokens a pass, rows counted whole (rows x longest row)
-    lengths = [len(sequences[i]) - 1 for i in keep]
-    batches = [[keep[j] for j in b] for b in micro_batches(lengths, device_batch_size, device_batch_tokens)]
+    # at most device_batch_size rows and device_batch_tokens tokens a pass, in the order the fast path runs cheapest
+    batches = micro_batches(keep, sequences, masks, num_samples, device_batch_size, device_batch_tokens)
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: every rank the same passes, or its gathers hang
     loss_sum = torch.zeros((), device=device)
     for rows in batches:

@@ -12,8 +12,8 @@ tests/test_fast_logprobs.py. What it does differently, and why:
          gradients made in the same pass over each chunk's logits, not by projecting again in the backward pass
 
 token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised training), whose
-gradient is not known in advance: its backward pass projects each chunk again. micro_batches bounds the rows and
-tokens of one forward/backward pass.
+gradient is not known in advance: its backward pass projects each chunk again. micro_batches orders the rows and
+bounds those of one forward/backward pass.
 """
 
 import torch
@@ -194,7 +194,16 @@ class SampledLogprobs(torch.autograd.Function):
                 None if grad_w is None else grad_w.to(ctx.w_dtype), None, None, None, None)
 
 
-def micro_batches(lengths, max_rows, max_tokens):
+def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):
+    """The training passes over rows (indices into sequences and masks): lists of indices, sorted by prompt length
+    (up to the first sampled token), group and length, so that a group's rows share a pass (fast_logprobs runs their
+    prompt once) and rows of similar length do (less padding); any order would give the same gradient."""
+    prompt_length = lambda i: next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))  # noqa: E731
+    rows = sorted(rows, key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
+    return [[rows[j] for j in batch] for batch in split_rows([len(sequences[i]) - 1 for i in rows], max_rows, max_tokens)]
+
+
+def split_rows(lengths, max_rows, max_tokens):
     """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
     max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
     completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""

@@ -149,7 +149,7 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     ([2, 50, 3], 8, 10, [[0], [1], [2]]),                 # a row past the budget still gets its own batch
 ])
 def test_micro_batches_respect_rows_and_padded_tokens(lengths, max_rows, max_tokens, expected):
-    assert logprobs.micro_batches(lengths, max_rows, max_tokens) == expected
+    assert logprobs.split_rows(lengths, max_rows, max_tokens) == expected
 
 
 def test_token_budget_does_not_change_the_loss_or_gradient():
