@@ -19,8 +19,9 @@ per GPU; alone on a laptop there is one rank):
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
   5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
      softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it, which the
-     loss does not model: keep it 0), the normaliser every sampled token of the step (--loss-norm);
-  6. gradients summed over ranks, AdamW steps, the learning rate decays linearly towards 0;
+     loss does not model: keep it 0), the normaliser by default every sampled token of the step (--loss-norm);
+  6. gradients summed over ranks, their norm clipped, AdamW steps (not if non-finite or nothing kept), the
+     learning rate decays linearly towards 0;
   7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
 "step": 0 is the first update; an eval or a checkpoint at step s sees the weights after s updates.
