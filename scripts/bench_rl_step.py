@@ -96,6 +96,14 @@ def update_matmul_seconds(c, positions, valid):
     return total
 
 
+class Tokenizer:
+    """What the engine reads of a tokenizer, for the benchmarks' random models: vocab_size columns are sampled, a stop
+    token ends a row."""
+
+    def __init__(self, vocab_size, stop_tokens=()):
+        self.vocab_size, self.stop_tokens = vocab_size, set(stop_tokens)
+
+
 def best_of(fn, tries):
     """Smallest wall time of fn() over tries calls: the machine is shared, the minimum is the least disturbed."""
     best = float("inf")

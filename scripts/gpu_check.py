@@ -35,7 +35,7 @@ import torch
 
 from engine import Engine
 from policy.gpt import GPT, GPTConfig
-from scripts import bench_rollout
+from scripts import bench_mixed_lengths, bench_rollout
 from scripts.bench_rl_step import SHAPES
 from scripts.gpu_check_training import check_fsdp_loss, check_shared_loss, check_update
 
@@ -167,8 +167,8 @@ def check_profile(s):
 def check_mixed(s):
     model = s.model()
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
-    with s.autocast():  # bench_rollout's own measurement: force_stops makes row r stop after a spread length
-        useful, mixed, full = bench_rollout.mixed_lengths(model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1)
+    with s.autocast():  # bench_rollout's own measurement (bench_mixed_lengths): force_stops makes row r stop after a spread length
+        useful, mixed, full = bench_mixed_lengths.mixed_lengths(model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1)
     note = (f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} ({useful / mixed:,.0f} useful tok/s), "
             f"{full:.2f} s all to {s.new_tokens}")
     print("  " + note)
