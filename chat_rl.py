@@ -114,7 +114,7 @@ HYPERPARAMETERS = dict(
     device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
     lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate, decayed linearly to 0"),
-    # LoRA (policy/lora.py): a frozen base, adapters trained; RL wants about 10x the learning rate of full fine-tuning
+    # LoRA (policy/lora.py): a frozen base, adapters trained, at several times full fine-tuning's learning rate
     lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
     lora_targets=       ("all-linear",                  "all-linear",  "adapted projections: all-linear or q_proj,v_proj,...; ,lm_head/,embed_tokens: trained whole"),

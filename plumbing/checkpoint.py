@@ -61,11 +61,10 @@ def build_policy(cfg, state, device):
     """
     source = (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
     adapter = source if os.path.exists(os.path.join(source, "adapter_config.json")) else None
-    base = lora.read_adapter_config(adapter)[0] if adapter else source
+    base, rank, alpha, targets = lora.read_adapter_config(adapter) if adapter else (source, 0, 0, [])
     model, tokenizer = load_policy(base, device)
     base_dtype = torch.bfloat16 if torch.device(device).type == "cuda" and cfg.lora_rank else None
     if adapter:
-        _, rank, alpha, targets = lora.read_adapter_config(adapter)
         if cfg.lora_rank and cfg.lora_rank != rank:
             raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, --lora-rank={rank}; "
                               f"--lora-rank=0 trains its merged model fully")

@@ -91,9 +91,9 @@ def check_rows(task, rows, source):
             raise ConfigError(f"{source}: row {i} has no answer the verifier can read ({json.dumps(row, default=str)[:200]})")
 
 
-def rows_fingerprint(*splits):
-    """A short hash of the rows a run trains and evaluates on: a resumed run must see the very same ones."""
-    return hashlib.blake2b(json.dumps(splits, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
+def rows_fingerprint(rows):
+    """A short hash of the rows a run trains on: a resumed run must see the very same ones."""
+    return hashlib.blake2b(json.dumps(rows, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
 def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
@@ -107,8 +107,8 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
 
 
 def derive_seed(*parts):
-    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data", epoch), or (the step's
-    seed (run seed, "rollout", step), a problem's place in the step); bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1,
-    epoch 0). Every eval draws from the same streams (one per held-out problem), so pass@k moves with the policy, not
-    with the sampling noise."""
+    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data", epoch), or (the
+    step's seed, a problem's place in the step), the step's seed being (run seed, "rollout", step). Bare arithmetic
+    would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1, epoch 0). Every eval draws from the same
+    streams (one per held-out problem), so pass@k moves with the policy, not with the sampling noise."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1

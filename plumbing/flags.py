@@ -9,6 +9,7 @@ boolean. Every impossible or nonsensical combination is refused with a one-line 
 """
 
 import difflib
+import inspect
 import math
 import os
 import re
@@ -170,9 +171,8 @@ def check_config(cfg, world_size):
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
     check_model_path(cfg.model)
-    generic = {"prompt_column": "question", "answer_column": "answer", "instruction": "", "verifier": "gsm8k", "reward": ""}
-    for name, default in generic.items():
-        if cfg.task != "data" and getattr(cfg, name) != default:
+    for name, parameter in inspect.signature(generic.make).parameters.items():  # the generic task's options
+        if cfg.task != "data" and getattr(cfg, name) != parameter.default:
             raise ConfigError(f"--{name.replace('_', '-')} is for --task=data, your own rows; --task={cfg.task} reads its "
                               f"own columns and grades with its own verifier")
     if cfg.lora_rank < 0 or cfg.lora_alpha <= 0 or not cfg.lora_lr > 0 or not math.isfinite(cfg.lora_lr + cfg.lora_alpha):
