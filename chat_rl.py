@@ -17,7 +17,7 @@ per GPU; alone on a laptop there is one rank):
      the end); or with your own --reward, any number (one that raises scores 0: tasks/common.rewards);
   4. advantage = reward - mean reward of its group; a group whose samples all score the same has
      advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_loss), logp of
+  5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_backward), logp of
      softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it, which the
      loss does not model: keep it 0), the normaliser by default every sampled token of the step (--loss-norm);
   6. gradients summed over ranks, their norm clipped, AdamW steps (not if non-finite or nothing kept), the
@@ -190,13 +190,40 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
-def policy_gradient_loss(logp, sampled, advantages, normaliser):
-    """Step 5's objective on a micro-batch: -(sum over sampled tokens of advantage * logp) / normaliser. logp (B, T):
-    each token's log-probability at the sampling temperature; sampled (B, T): True where the policy drew the token
-    (not prompt, tool result, padding); advantages (B,); normaliser: a number, or (B, 1) for --loss-norm=sequence.
-    Change it and change loss_grad below with it (the fast path made its gradients for that, and says so if not), or,
-    for a loss not linear in logp (a ratio, a KL), pass loss_grad=None: the fast path then recomputes its head."""
-    return -(advantages[:, None] * logp * sampled / normaliser).sum()
+def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
+                             autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
+                             vocab_size=None):
+    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss
+        loss = -(sum over completions i and their sampled tokens t of advantage_i * logp_it / normaliser_i),
+    and return (that share, the kept groups' sampled tokens on all ranks). normaliser_i, per loss_norm: all_tokens,
+    the step's sampled tokens on all ranks, unanimous groups' too (the default; TRL's "dapo"); kept_tokens, those of the
+    kept groups (DAPO's); sequence, the step's completions times completion i's own sampled tokens (GRPO's). Counted
+    on all ranks, it is one number however the step is split into micro-batches and ranks: their shares sum to it."""
+    tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # sampled tokens: the targets, mask[1:] (make_batch)
+    kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)  # group not unanimous
+    counts = torch.stack([tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(masks)))])
+    kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
+    if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
+        return torch.zeros((), device=device), 0
+    normaliser = {"all_tokens": torch.full_like(tokens, all_tokens), "kept_tokens": torch.full_like(tokens, kept_tokens),
+                  "sequence": completions * tokens.clamp(min=1)}[loss_norm]  # (completions,)
+    # unanimous groups add 0: dropped before any pass; the rest in passes of at most device_batch_size rows and
+    # device_batch_tokens tokens, in the order the fast path runs cheapest
+    batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples, device_batch_size,
+                            device_batch_tokens)
+    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: every rank the same passes, or its gathers hang
+    loss_sum = torch.zeros((), device=device)
+    for rows in batches:
+        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
+        sampled = targets >= 0
+        # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
+        weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
+        with autocast:  # weight is d loss / d logp: the fast path makes the head's gradient from it in this forward pass
+            logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
+        loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum, int(kept_tokens)
 
 
 def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
@@ -218,41 +245,6 @@ def make_batch(sequences, masks, device):
         inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
         targets[i, :len(seq) - 1] = torch.tensor([tok if m else -1 for tok, m in zip(seq[1:], mask[1:])])
     return inputs.to(device), targets.to(device)
-
-
-def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
-                             autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
-                             vocab_size=None):
-    """Accumulate the gradient of policy_gradient_loss over this rank's completions into .grad; returns (loss, sampled
-    tokens of the kept groups on all ranks). The normaliser, counted on all ranks so that micro-batches and ranks
-    leave the loss unchanged, is per loss_norm: all_tokens, every sampled token of the step, the dropped groups' too
-    (the default; TRL's "dapo"); kept_tokens, those of the kept groups (DAPO's); sequence, the step's completions,
-    each one's sum first divided by its own sampled tokens (GRPO's). Unanimous groups add 0: dropped before any pass."""
-    group_active = advantages.view(-1, num_samples).abs().sum(dim=1) > 0
-    keep = [i for i in range(len(sequences)) if group_active[i // num_samples]]
-    # the sampled tokens are the targets: mask[1:], as in make_batch (position 0 is never a target); summed over ranks
-    sampled_tokens = [sum(mask[1:]) for mask in masks]
-    counts = torch.tensor([sum(sampled_tokens[i] for i in keep), sum(sampled_tokens), len(masks)], dtype=torch.float)
-    kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
-    normaliser = {"kept_tokens": kept_tokens, "all_tokens": all_tokens, "sequence": completions}[loss_norm]
-    if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
-        return torch.zeros((), device=device), 0
-    # at most device_batch_size rows and device_batch_tokens tokens a pass, in the order the fast path runs cheapest
-    batches = micro_batches(keep, sequences, masks, num_samples, device_batch_size, device_batch_tokens)
-    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: every rank the same passes, or its gathers hang
-    loss_sum = torch.zeros((), device=device)
-    for rows in batches:
-        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        sampled, adv = targets >= 0, advantages[rows].to(device)
-        norm = normaliser * sampled.sum(dim=1, keepdim=True).clamp(min=1) if loss_norm == "sequence" else normaliser
-        # loss.backward() makes the gradient. The loss is linear in logp, so what it sends back to logp, loss_grad, is
-        # known now: the fast path makes the head's share during its forward pass, and raises if another comes back
-        with autocast:
-            logp = logprobs(model, inputs, targets, temperature, loss_grad=-(adv[:, None] / norm) * sampled, vocab_size=vocab_size)
-        loss = policy_gradient_loss(logp, sampled, adv, norm)
-        loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum, int(kept_tokens)
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
