@@ -62,9 +62,10 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
                       for s in seed])
 
 
-# the text ends in a call: '<<' opening it (the '<' of a run pair up from its start, so an even run opens a call
-# and an odd one leaves a lone '<', which does not), then, on one line and without '<', '>' or '=', the expression
-# and its '='
+# A calculator call is due when the text ends in '<<', an expression and '=': "so <<48/2=" calls 48/2, and the
+# result "24>>" is then written in. The expression is on one line, without '<', '>' or '='; the '<' of a run pair up
+# from its start, so an even run opens a call ("<<<<3=" calls 3) and an odd one leaves a lone '<', which does not
+# ("<<<3=" calls nothing).
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
@@ -107,11 +108,13 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
             if token in tokenizer.stop_tokens:
                 continue
             still_running.append(b)
+            # a call is spotted in the tokens decoded one by one (as the Engine's tables hold them), its expression read
+            # from them decoded together: the two differ only where a token alone splits a character or drops a space
             piece = tokenizer.decode([token])
-            text[b] += piece  # each token's own text, as the automaton's tables read it
+            text[b] += piece
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
                 calls[b] += 1
-                written = tokenizer.decode(new[b])  # the expression as the Engine reads it: the tokens decoded together
+                written = tokenizer.decode(new[b])
                 result = tool(written[written.rfind("<<") + 2:-1])
                 if result is None:
                     errors[b] += 1
@@ -120,10 +123,10 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
         running = still_running
     sequences, masks = [], []
     for b in range(B):
-        # a stop token ends its row, so a row that stopped ends with it
-        n = len(new[b]) - int(bool(new[b]) and new[b][-1] in tokenizer.stop_tokens and not include_stop)
-        sequences.append(prompt[b] + new[b][:n])
-        masks.append([0] * len(prompt[b]) + mask[b][:n])
+        if new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop:  # the stop token kept only on request
+            new[b], mask[b] = new[b][:-1], mask[b][:-1]
+        sequences.append(prompt[b] + new[b])
+        masks.append([0] * len(prompt[b]) + mask[b])
     return Samples(sequences, masks, calls, errors)
 
 
