@@ -1,44 +1,44 @@
 """
 chat_rl trains a chat model on verifiable math by reinforcement learning with the plain policy gradient (REINFORCE).
 
-"GRPO" here is really REINFORCE: raise the log-probability of completions that scored above their group's average,
-lower it for those below. Read this file top to bottom; the plain sampler is engine.generate_reference.
+Called "GRPO" in the field, it is REINFORCE with the group's mean reward as baseline: completions that scored above
+their group's average get their log-probability raised, those below get it lowered. Read this file top to bottom;
+for sampling, read engine.generate_reference, the plain sampler.
 
-One optimizer step, as train() below runs it (a "rank" is one process of a torchrun launch, one
-per GPU; alone on a laptop there is one rank):
-  1. take this step's problems: the step-th slice of a permutation fixed per epoch, each rank its own share of
-     examples_per_step (plumbing/data.py: the step alone fixes the data, so a resumed run continues it);
-  2. sample num_samples completions of each (the group) with engine.py: generate_reference is the plain sampler
-     to read, the Engine the fast one (each prompt's keys and values kept, its KV cache, so a token costs one
-     forward over one position); where a completion writes GSM8K's calculator call `<<48/2=`, the result `24>>` is
-     forced in (--tool);
-  3. score each with a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}): 1 if the final answer
-     is right, else 0 (plus --format-weight x a format bonus: 1 if the answer is given once, in the task's form, at
-     the end); or with your own --reward, any number (one that raises scores 0: tasks/common.rewards);
-  4. advantage = reward - mean reward of its group; a group whose samples all score the same has
-     advantage 0 everywhere, carries no gradient, and is dropped before the training forward pass;
-  5. loss = -(sum over sampled tokens of advantage * logp(token)) / normaliser (policy_gradient_backward), logp of
-     softmax(logits / temperature), the distribution the rollout drew from (--top-k > 0 truncates it, which the
-     loss does not model: keep it 0), the normaliser by default every sampled token of the step (--loss-norm);
-  6. gradients summed over ranks, their norm clipped, AdamW steps (not if non-finite or nothing kept), the
-     learning rate decays linearly towards 0;
-  7. every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
-Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row
-"step": 0 is the first update; an eval or a checkpoint at step s sees the weights after s updates.
+One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one per GPU; on a
+laptop there is one rank.
+  1. Problems: the step-th slice of a permutation fixed per epoch, each rank its own share of examples_per_step
+     (plumbing/data.py). The step alone fixes the data, so a resumed run continues it.
+  2. Sampling: num_samples completions of each problem (its group), at --temperature, by engine.py's Engine (the
+     fast twin of generate_reference). Where a completion writes a calculator call such as `<<48/2=`, the result
+     `24>>` is written in for it (--tool): those tokens are not the policy's, and get no gradient.
+  3. Scoring: a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) gives 1 for a right final answer,
+     else 0, plus --format-weight x a format bonus (1 if the answer is given once, in the task's form, at the end).
+     Or your own --reward, any number; a reward that raises scores 0 (tasks/common.rewards).
+  4. Advantage: A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
+     A = 0 everywhere: it carries no gradient and is dropped before the training forward pass.
+  5. Loss: L = -sum over completions i and the tokens t the policy sampled of A_i * logp_it / N_i
+     (policy_gradient_backward). logp_it is the token's log-probability under softmax(logits / temperature), the
+     distribution it was drawn from (--top-k > 0 truncates that, which the loss does not model: keep it 0).
+     N_i, per --loss-norm, counted on all ranks: all_tokens (the default), every sampled token of the step;
+     kept_tokens, those of the groups not dropped; sequence, the step's completions x completion i's sampled tokens.
+  6. Update: gradients summed over ranks, their norm clipped, one AdamW step (skipped if the loss or the gradient is
+     not finite, or if no group was kept). The learning rate falls linearly: step s uses lr x (1 - s / num_steps).
+  7. Every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
+Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row "step": 0 is the
+first update; an eval or a checkpoint at step s sees the weights after s updates.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
-  1. No reference model, no KL penalty: the KL term's job is to hold the policy near its start, which
-     costs a second model in memory and a second forward, and with a verifier as the reward there is
-     no reward model to over-optimise against.
-  2. No importance ratio, no clipping: every batch is sampled by the very weights being updated and used for
+  1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
+     in memory and a second forward pass; with a verifier as the reward, there is no reward model to over-optimise.
+  2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated and used for
      exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
-  3. No z-score: advantages are r - mean(r), not divided by the group's std, which would blow up
-     near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (TRL's "dapo"): divide by every sampled token of the step on all ranks, unanimous
-     groups' included, so every token weighs the same whatever its completion's length, and dropping those groups
-     only saves compute. A step then shrinks as groups turn unanimous (the policy has less left to learn);
-     `--loss-norm=kept_tokens` divides by the kept groups' tokens only (DAPO's, without its refilling), keeping the
-     step's size; `--loss-norm=sequence` takes each completion's mean, then divides by the completions (GRPO's).
+  3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up near-unanimous
+     groups into full-size updates (`--advantage=zscore` brings it back).
+  4. Token-level normalisation (all_tokens, TRL's "dapo"). Every token weighs the same whatever its completion's
+     length. Unanimous groups' tokens count too, so dropping those groups only saves compute, and a step shrinks as
+     groups turn unanimous (the policy has less left to learn). kept_tokens (DAPO's, without its refilling) keeps
+     the step's size; sequence is GRPO's: each completion's mean over its tokens, then the mean over completions.
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -95,7 +95,7 @@ HYPERPARAMETERS = dict(
     reward=             ("",                            "",            "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
     system_prompt=      ("",                            "",            "a system turn before every prompt, through the chat template"),
     # rollouts
-    examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks"),
+    examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
     max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts, > 0 (the loss divides by it)"),
@@ -104,7 +104,7 @@ HYPERPARAMETERS = dict(
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
-    advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean) / (std + eps)"),
+    advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
     loss_norm=          ("all_tokens",                  "all_tokens",  "what the loss divides by: all_tokens (of the step) | kept_tokens (groups with signal) | sequence"),
     logprobs=           ("fast",                        "fast",        "fast | plain: the loss's log-probs (plain: all logits at once, as plain_logprobs reads)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
@@ -113,7 +113,7 @@ HYPERPARAMETERS = dict(
     num_steps=          (-1,                            150,           "optimizer steps; -1 = derived from num_epochs"),
     device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
-    lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate, decayed linearly to 0"),
+    lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate; step s uses lr x (1 - s / num_steps)"),
     # LoRA (policy/lora.py): a frozen base, adapters trained, at several times full fine-tuning's learning rate
     lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
@@ -193,12 +193,9 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
                              autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
                              vocab_size=None):
-    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss
-        loss = -(sum over completions i and their sampled tokens t of advantage_i * logp_it / normaliser_i),
-    and return (that share, the kept groups' sampled tokens on all ranks). normaliser_i, per loss_norm: all_tokens,
-    the step's sampled tokens on all ranks, unanimous groups' too (the default; TRL's "dapo"); kept_tokens, those of the
-    kept groups (DAPO's); sequence, the step's completions times completion i's own sampled tokens (GRPO's). Counted
-    on all ranks, it is one number however the step is split into micro-batches and ranks: their shares sum to it."""
+    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
+    return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
+    shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
     tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # sampled tokens: the targets, mask[1:] (make_batch)
     kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)  # group not unanimous
     counts = torch.stack([tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(masks)))])
@@ -218,7 +215,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        with autocast:  # weight is d loss / d logp: the fast path makes the head's gradient from it in this forward pass
+        # weight is d loss / d logp, known before the forward pass: the fast path uses it to make the head's gradient
+        # as it goes, then backward() carries it on below the head (checking it is that weight): nothing counts twice
+        with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
         loss.backward()
@@ -357,10 +356,10 @@ def train(cfg, rank, world, device):
             vocab_size=tokenizer.vocab_size)
         sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank; FSDP's divide factor is 1)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
-        lr = peak_lr * (1 - step / num_steps)  # linear decay to 0
+        lr = peak_lr * (1 - step / num_steps)  # linear decay: the last update at peak_lr / num_steps
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
-        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
-        row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, valid_tokens=kept_tokens,
+        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)  # too many: stop
+        row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)

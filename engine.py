@@ -77,7 +77,8 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
     Engine's constructor), the same Samples, token for token. No cache: at each position t the model
     runs over every running row's whole sequence, right-padded (under causal attention, padding after a row's
     last real token changes nothing there), and row b draws its token t with u[b, t]. A row's calculator
-    state is plain Python: its completion's text and the result tokens it has still to write.
+    state is plain Python: its completion's text and the result tokens it has still to write. A result token takes
+    a position's place: the model still runs there, u[b, t] goes unused, and the token counts toward max_new_tokens.
     The Engine computes the same rows with a KV cache (each prompt's shared by its samples), compacts finished
     rows out of the batch, and spots calls on the device with an automaton equivalent to CALL.
     """

@@ -78,10 +78,11 @@ def all_rewards_failed(errors, device):
     return next(e for e in errors if e is not None) if counts[0] == counts[1] > 0 else None
 
 
-def check_nonfinite(finite, valid_tokens, in_row, max_in_row, step, print0):
-    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step)."""
+def check_nonfinite(finite, kept_tokens, in_row, max_in_row, step, print0):
+    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step); a finite
+    update resets the count, a step with nothing kept (no update) leaves it; max_in_row in a row stop the run."""
     if finite:
-        return 0 if valid_tokens > 0 else in_row
+        return 0 if kept_tokens > 0 else in_row
     print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
     if in_row + 1 >= max_in_row:
         raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype",

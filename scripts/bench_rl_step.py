@@ -75,7 +75,7 @@ def main():
     print(f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | {'trained tokens':>14} | {'peak GiB':>8}")
     for r in rows:
         print(f"{r['step']:>4} | {r['step_time_s']:>11.2f} | {r['rollout_tokens_per_s']:>13.0f} | "
-              f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['valid_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}")
+              f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['kept_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}")
 
 
 # ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)

@@ -134,7 +134,7 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [r for r in rows if "split" not in r]
-    assert [r["step"] for r in train] == [0, 1] and all(r["valid_tokens"] > 0 for r in train)
+    assert [r["step"] for r in train] == [0, 1] and all(r["kept_tokens"] > 0 for r in train)
     for r in train:  # means over both ranks' completions
         assert 0 <= r["reward"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1 and 0 < r["seq_len"] <= 40
     assert [r["step"] for r in rows if r.get("split") == "eval"] == [0, 2]

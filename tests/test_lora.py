@@ -187,7 +187,7 @@ def test_two_ranks_train_the_adapters_one_process_trains(tmp_path):
     assert chat_rl.main([*flags, f"--out-dir={tmp_path / 'one'}"]) == 0
     rows = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in ("one", "two")]
     for one, two in zip(*rows):
-        for key in {"reward", "seq_len", "pass@1", "greedy", "valid_tokens"} & set(one):
+        for key in {"reward", "seq_len", "pass@1", "greedy", "kept_tokens"} & set(one):
             assert one[key] == pytest.approx(two[key], rel=1e-5), key
     adapters = [load_file(tmp_path / run / "step_000002" / "adapter" / "adapter_model.safetensors") for run in ("one", "two")]
     for k in adapters[0]:  # summed in another order: a share of one AdamW step apart at most

@@ -298,7 +298,7 @@ def test_two_ranks_train_a_users_rows_to_the_weights_of_one_process(tmp_path):
     for two, one in zip(two_train + two_eval, one_train + one_eval):
         for key in {"reward", "seq_len", "tool_use", "pass@1", "pass@2", "greedy", "reward_errors"} & set(one):
             assert one[key] == pytest.approx(two[key], rel=1e-5), key
-    assert any(r["valid_tokens"] > 0 for r in one_train)  # something trained
+    assert any(r["kept_tokens"] > 0 for r in one_train)  # something trained
     one, two = (load_file(str(tmp_path / run / "step_000002" / "model.safetensors")) for run in ("one", "two"))
     start = load_file(os.path.join(REPO, "demo_model", "model.safetensors"))
     for k in one:  # summed in another order: weights a share of one AdamW step apart at most

@@ -76,7 +76,7 @@ def reference(model_dir, tmp_path_factory):
     # an update at every step, before and after each resume point: what a resumed run must restore (the
     # optimizer's moments, its step count) shows only in the updates it takes after resuming
     rows = metrics(out)
-    assert [r["step"] for r in rows if "split" not in r and r["valid_tokens"] > 0] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows if "split" not in r and r["kept_tokens"] > 0] == [0, 1, 2, 3, 4]
     start, end = load_file(os.path.join(model_dir, "model.safetensors")), final_weights(out)
     assert any(not torch.equal(start[k], end[k]) for k in start), "the reference run never updated the weights"
     return rows, end

@@ -289,8 +289,8 @@ def test_a_step_with_no_sampled_token_leaves_the_weights_alone():
 def test_a_run_stops_after_max_nonfinite_non_finite_updates_in_a_row():
     quiet = lambda *a, **k: None  # noqa: E731
     in_row = 0
-    for finite, valid_tokens, expected in [(False, 10, 1), (True, 0, 1), (False, 10, 2), (True, 10, 0), (False, 10, 1)]:
-        in_row = check_nonfinite(finite, valid_tokens, in_row, 3, 0, quiet)
+    for finite, kept_tokens, expected in [(False, 10, 1), (True, 0, 1), (False, 10, 2), (True, 10, 0), (False, 10, 1)]:
+        in_row = check_nonfinite(finite, kept_tokens, in_row, 3, 0, quiet)
         assert in_row == expected  # a good update resets the count; a step with nothing to learn leaves it
     in_row = check_nonfinite(False, 10, in_row, 3, 5, quiet)
     with pytest.raises(RunError, match="3 non-finite updates in a row at step 6"):

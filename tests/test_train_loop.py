@@ -28,7 +28,7 @@ def run(out_dir, *extra):
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_run")
     train, evals = run(out)
-    assert sum(r["valid_tokens"] > 0 for r in train) >= NUM_STEPS - 1, "steps without an update: the checks below would see less"
+    assert sum(r["kept_tokens"] > 0 for r in train) >= NUM_STEPS - 1, "steps without an update: the checks below would see less"
     return out, train, evals
 
 
@@ -52,7 +52,7 @@ def test_train_rows_hold_their_invariants(demo_run):
         assert 0 <= r["reward_answer"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1
         assert r["reward"] == pytest.approx(r["reward_answer"] + FORMAT_WEIGHT * r["reward_format"])
         assert 0 < r["seq_len"] <= MAX_NEW_TOKENS
-        assert r["skipped_nonfinite"] == 0 and (r["grad_norm"] > 0) == (r["valid_tokens"] > 0)
+        assert r["skipped_nonfinite"] == 0 and (r["grad_norm"] > 0) == (r["kept_tokens"] > 0)
     assert any(r["reward_format"] > 0 for r in train)  # the format term was there to be weighed
 
 
@@ -72,7 +72,7 @@ def test_eval_rows_hold_their_invariants(demo_run):
 def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
     # --top-k=1 samples the greedy answer: a group's samples are one answer, every group is unanimous, no update
     train, _ = run(tmp_path, "--top-k=1", "--eval-every=-1", "--num-steps=2")
-    assert [r["valid_tokens"] for r in train] == [0, 0]
+    assert [r["kept_tokens"] for r in train] == [0, 0]
     start, end = load_file(os.path.join(REPO, "demo_model", "model.safetensors")), load_file(tmp_path / "step_000002" / "model.safetensors")
     assert all(torch.equal(start[k], end[k]) for k in start)
 
@@ -81,7 +81,7 @@ def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
 def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
     # step 0 samples the same completions under any objective (same weights, same seeds): only the loss differs
     _, train, _ = demo_run
-    assert train[0]["valid_tokens"] > 0, "step 0 had nothing to learn: no loss to compare"
+    assert train[0]["kept_tokens"] > 0, "step 0 had nothing to learn: no loss to compare"
     first = run(tmp_path, flag, "--num-steps=1", "--eval-every=-1")[0][0]
-    assert first["reward"] == train[0]["reward"] and first["valid_tokens"] == train[0]["valid_tokens"]
+    assert first["reward"] == train[0]["reward"] and first["kept_tokens"] == train[0]["kept_tokens"]
     assert first["loss"] != pytest.approx(train[0]["loss"], rel=1e-3)
