@@ -1,34 +1,32 @@
 """
-Batched sampling for RL's rollouts, twice: a plain reference sampler to read first, then the fast Engine that
-the tests hold to it.
+Batched sampling for RL's rollouts, twice: a plain reference sampler to read first, then the fast Engine that the
+tests hold to it, token for token.
 
-generate_reference samples a batch the simplest correct way: one loop over token positions t, the model
-rerun over every row's whole sequence at each, each row's calculator state in plain Python.
+How a token is drawn, in both. All of a call's random numbers are drawn up front (uniforms): row b's token t uses
+u[b, t]. Each prompt's rows can have a seeded generator of their own, so a problem samples alike whatever else
+shares its batch. The token is where u[b, t] falls in the row's cumulative probabilities, walked in vocabulary
+order (inverse CDF: one softmax pass, not a random number per vocabulary entry as the Gumbel-max trick needs). So a
+row's token depends only on its own logits and its own number, and the same seed gives the same samples. (Logits
+can still move in the last bit with the batch's size, as any batched matmul's do; where that crosses the boundary
+between two tokens, the draw differs.)
 
-Engine.generate samples the same rows from P prompts of different lengths, S completions of each, in one batch
-of B = P * S rows:
-  1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once; the
-     KV cache knows each prompt's pad count, so padding is neither attended to nor counted in RoPE
-     positions (a left-padded prompt computes what it computes alone, up to the last bit).
-  2. share: each prompt's keys and values serve all its S samples: prefilled once, stored once.
-  3. decode: one token per row at each position t, until each row has sampled a stop token or
-     max_new_tokens tokens. A finished row keeps decoding (its tokens are discarded) until enough rows have
-     finished to be worth a compaction: running rows from the back of the batch then move into the finished
-     rows' slots and the batch ends where the running rows end, so finished rows stop costing the
-     model's matmuls and the attention to their own keys (the attention to the prompts still runs
-     over each prompt's S sample slots, zeros where a row has left: one matmul per prompt either way).
-Both sample by inverse CDF: the token is where the row's uniform number for position t falls in its
-cumulative probabilities, walked in vocabulary order. All of a call's numbers are drawn up front (uniforms), from
-one seeded generator for the call or one per prompt: row b's token t uses u[b, t], a row's numbers one run of its
-generator's stream. (The Engine stores them transposed, so position t reads its numbers u[t] as one contiguous
-slice; a compaction moves each row's column with it.) A row's token depends only on its own logits and its own
-u[b, t]: neither finished rows, compaction, nor the other rows change what it draws, and the same seed gives the
-same samples. (Its logits can still move in the last bit with the batch's size or the cache, as any batched
-matmul's do; where that crosses a boundary between two tokens, the draw differs.) Cost: one softmax pass over
-the vocabulary, not one random number per (row, vocabulary entry) as the Gumbel-max trick needs.
+generate_reference samples a batch the simplest correct way: one loop over token positions t, the model rerun over
+every running row's whole sequence at each, each row's calculator state in plain Python.
 
-The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator calls in
-fast/tool_calls.py.
+Engine.generate samples the same rows, P prompts of different lengths x S completions each, as one batch of
+B = P * S rows, and wastes no work:
+  1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once. The KV cache knows
+     each prompt's pad count, so padding is neither attended to nor counted in RoPE positions: a left-padded
+     prompt computes what it computes alone, up to the last bit.
+  2. share: each prompt's keys and values serve all its S samples, stored once.
+  3. decode: one token per running row at each position t, each a forward pass over one position. A finished row
+     keeps decoding (its tokens discarded) until enough rows have finished to be worth a compaction: running rows
+     from the back of the batch then move into the finished rows' slots, and the batch ends where they end. So
+     finished rows stop costing the model's matmuls and the attention to their own keys (the attention to a
+     prompt's keys still runs over its S slots, zeros where a row has left: one matmul per prompt either way).
+  (The Engine stores u transposed, so position t reads u[t] as one contiguous slice; a compaction moves each row's
+  column with it.) The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator
+  calls in fast/tool_calls.py.
 """
 
 import re
