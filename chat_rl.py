@@ -13,20 +13,23 @@ laptop there is one rank.
      fast twin of generate_reference). Where a completion writes a calculator call such as `<<48/2=`, the result
      `24>>` is written in for it (--tool): those tokens are not the policy's, and get no gradient.
   3. Scoring: a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) gives 1 for a right final answer,
-     else 0, plus --format-weight x a format bonus (1 if the answer is given once, in the task's form, at the end).
-     Or your own --reward, any number; a reward that raises scores 0 (tasks/common.rewards).
+     else 0 (a completion cut off before its final answer has none: 0), plus --format-weight x a format bonus (1 if
+     the answer is given once, in the task's form, at the end). Or your own --reward, any number; a reward that
+     raises scores 0 (tasks/common.rewards).
   4. Advantage: A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere: it carries no gradient and is dropped before the training forward pass.
   5. Loss: L = -sum over completions i and the tokens t the policy sampled of A_i * logp_it / N_i
      (policy_gradient_backward). logp_it is the token's log-probability under softmax(logits / temperature), the
      distribution it was drawn from (--top-k > 0 truncates that, which the loss does not model: keep it 0).
      N_i, per --loss-norm, counted on all ranks: all_tokens (the default), every sampled token of the step;
-     kept_tokens, those of the groups not dropped; sequence, the step's completions x completion i's sampled tokens.
+     kept_tokens, those of the groups not dropped; sequence, the step's completions (dropped ones too) x completion
+     i's sampled tokens.
   6. Update: gradients summed over ranks, their norm clipped, one AdamW step (skipped if the loss or the gradient is
      not finite, or if no group was kept). The learning rate falls linearly: step s uses lr x (1 - s / num_steps).
   7. Every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row "step": 0 is the
-first update; an eval or a checkpoint at step s sees the weights after s updates.
+first update; an eval or a checkpoint at step s sees the weights after s updates. With num_steps=2 and eval_every=1:
+eval 0, update 0, eval 1, update 1, eval 2, checkpoint step_000002.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
@@ -196,14 +199,15 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
     return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
     shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
-    tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # sampled tokens: the targets, mask[1:] (make_batch)
+    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # per completion: its targets (make_batch)
     kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)  # group not unanimous
-    counts = torch.stack([tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(masks)))])
+    counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
     kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    normaliser = {"all_tokens": torch.full_like(tokens, all_tokens), "kept_tokens": torch.full_like(tokens, kept_tokens),
-                  "sequence": completions * tokens.clamp(min=1)}[loss_norm]  # (completions,)
+    normaliser = {"all_tokens": torch.full_like(sampled_tokens, all_tokens),  # N_i of each of this rank's completions
+                  "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
+                  "sequence": completions * sampled_tokens.clamp(min=1)}[loss_norm]
     # unanimous groups add 0: dropped before any pass; the rest in passes of at most device_batch_size rows and
     # device_batch_tokens tokens, in the order the fast path runs cheapest
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples, device_batch_size,
@@ -215,8 +219,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # weight is d loss / d logp, known before the forward pass: the fast path uses it to make the head's gradient
-        # as it goes, then backward() carries it on below the head (checking it is that weight): nothing counts twice
+        # weight is d loss / d logp, known before the forward pass. The fast path uses it to make the head's gradients
+        # while each chunk's logits are at hand; its backward returns those, once it has checked that loss.backward()
+        # sent it weight. Nothing counts twice: the gradients equal plain_logprobs' (tests/test_fast_logprobs.py)
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
@@ -254,7 +259,8 @@ def adamw(parameters, lr, weight_decay):
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or gradient
-    skips the update; so does a step where no row carried gradient (AdamW's momentum would still move the weights)."""
+    skips the update; so does a step where no row carried gradient (zeros after sync_gradients, with which AdamW's
+    momentum would still move the weights). The learning rate's schedule goes on through a skipped step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True))
@@ -339,11 +345,12 @@ def train(cfg, rank, world, device):
         problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1. contiguous share
         model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
-        with autocast, fsdp.gathered(model):                                                            # 2-3.
+        # 2-3. each problem's samples draw from a random stream of their own, from the step's seed and its place in the step
+        places = range(rank * len(problems), (rank + 1) * len(problems))
+        with autocast, fsdp.gathered(model):
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                          seed=derive_seed(cfg.seed, "rollout", step), format_weight=cfg.format_weight,
-                          rows_per_call=cfg.generate_batch_rows, system_prompt=cfg.system_prompt,  # each problem its
-                          problem_ids=range(rank * len(problems), (rank + 1) * len(problems)))  # stream, by its place
+                          seed=derive_seed(cfg.seed, "rollout", step), problem_ids=places, format_weight=cfg.format_weight,
+                          rows_per_call=cfg.generate_batch_rows, system_prompt=cfg.system_prompt)
         t_rollout = time.time() - t0
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
             break

@@ -50,7 +50,9 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
     """
     The call's random numbers, (B, max_new_tokens): row b's token t draws with u[b, t]. seed: one number for the
     whole call, or a list of one per prompt, whose num_samples rows then draw from that prompt's own stream,
-    whatever else shares the batch (so that a problem samples alike on 1 rank or on 8).
+    whatever else shares the batch (so that a problem samples alike on 1 rank or on 8). The same seed gives the same
+    numbers on one device type (CPU and CUDA generators differ), and for one max_new_tokens (a row's numbers are the
+    next max_new_tokens of its stream).
     """
     if isinstance(seed, int):
         return torch.rand(num_prompts * num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(seed),
@@ -60,10 +62,10 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
                       for s in seed])
 
 
-# A calculator call is due when the text ends in '<<', an expression and '=': "so <<48/2=" calls 48/2, and the
-# result "24>>" is then written in. The expression is on one line, without '<', '>' or '='; the '<' of a run pair up
-# from its start, so an even run opens a call ("<<<<3=" calls 3) and an odd one leaves a lone '<', which does not
-# ("<<<3=" calls nothing).
+# A calculator call is due when the text ends in '<<', an expression on one line without '<', '>' or '=', and '=':
+# "so <<48/2=" calls 48/2, and "24>>" is written in after it. Only a token whose own text ends in '=' can complete a
+# call ("=\n" cannot). The '<' before the expression pair up from the run's start: "<<<<3=" calls 3, and "<<<3="
+# ("<<", then a lone '<' before the expression) calls nothing.
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
@@ -100,7 +102,7 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
         still_running = []
         for b, token in zip(running, drawn):
             forced = bool(pending[b])
-            if forced:  # the tool's result goes in place of the draw
+            if forced:  # the tool's result goes in place of the draw, which is discarded
                 token = pending[b].pop(0)
             new[b].append(token)
             mask[b].append(0 if forced else 1)
