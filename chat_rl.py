@@ -108,8 +108,8 @@ HYPERPARAMETERS = dict(
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
-    loss_norm=          ("all_tokens",                  "all_tokens",  "what the loss divides by: all_tokens (of the step) | kept_tokens (groups with signal) | sequence"),
-    logprobs=           ("fast",                        "fast",        "fast | plain: the loss's log-probs (plain: all logits at once, as plain_logprobs reads)"),
+    loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's divisor: all_tokens | kept_tokens | sequence (the docstring's step 5)"),
+    logprobs=           ("fast",                        "fast",        "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
@@ -120,7 +120,7 @@ HYPERPARAMETERS = dict(
     # LoRA (policy/lora.py): a frozen base, adapters trained, at several times full fine-tuning's learning rate
     lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
-    lora_targets=       ("all-linear",                  "all-linear",  "adapted projections: all-linear or q_proj,v_proj,...; ,lm_head/,embed_tokens: trained whole"),
+    lora_targets=       ("all-linear",                  "all-linear",  "all-linear | q_proj,v_proj,...; add ,lm_head or ,embed_tokens to train them whole"),
     lora_lr=            (3e-5,                          1e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
     grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
