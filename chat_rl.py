@@ -13,23 +13,24 @@ laptop there is one rank.
      fast twin of generate_reference). Where a completion writes a calculator call such as `<<48/2=`, the result
      `24>>` is written in for it (--tool): those tokens are not the policy's, and get no gradient.
   3. Scoring: a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) gives 1 for a right final answer,
-     else 0 (a completion cut off before its final answer has none: 0), plus --format-weight x a format bonus (1 if
-     the answer is given once, in the task's form, at the end). Or your own --reward, any number; a reward that
-     raises scores 0 (tasks/common.rewards).
+     else 0 (so does one cut off before it wrote its answer), plus --format-weight x a format bonus (1 if the answer
+     is given once, in the task's form, at the end). Or your own --reward, any number; a reward that raises scores 0
+     (tasks/common.rewards).
   4. Advantage: A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere: it carries no gradient and is dropped before the training forward pass.
-  5. Loss: L = -sum over completions i and the tokens t the policy sampled of A_i * logp_it / N_i
-     (policy_gradient_backward). logp_it is the token's log-probability under softmax(logits / temperature), the
-     distribution it was drawn from (--top-k > 0 truncates that, which the loss does not model: keep it 0).
-     N_i, per --loss-norm, counted on all ranks: all_tokens (the default), every sampled token of the step;
-     kept_tokens, those of the groups not dropped; sequence, the step's completions (dropped ones too) x completion
-     i's sampled tokens.
+  5. Loss (policy_gradient_backward), over the step's completions i on all ranks and the tokens S_i each sampled:
+         L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
+     logp_it is the token's log-probability under softmax(logits / temperature), the distribution it was drawn from
+     (--top-k > 0 truncates that, which the loss does not model: keep it 0). N_i, per --loss-norm, counted on all
+     ranks, with C the step's completions (dropped ones too):
+         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
+         kept_tokens            N_i = sum_{j in kept groups} |S_j|
+         sequence               N_i = C * |S_i|                     each completion's mean, then the mean of those
   6. Update: gradients summed over ranks, their norm clipped, one AdamW step (skipped if the loss or the gradient is
      not finite, or if no group was kept). The learning rate falls linearly: step s uses lr x (1 - s / num_steps).
   7. Every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
-Steps count from 0, and a step's number is the updates done before it: metrics.jsonl's train row "step": 0 is the
-first update; an eval or a checkpoint at step s sees the weights after s updates. With num_steps=2 and eval_every=1:
-eval 0, update 0, eval 1, update 1, eval 2, checkpoint step_000002.
+Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): what each does is said where it
+is called, and the RL above does not depend on how.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
@@ -38,10 +39,10 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up near-unanimous
      groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (all_tokens, TRL's "dapo"). Every token weighs the same whatever its completion's
-     length. Unanimous groups' tokens count too, so dropping those groups only saves compute, and a step shrinks as
-     groups turn unanimous (the policy has less left to learn). kept_tokens (DAPO's, without its refilling) keeps
-     the step's size; sequence is GRPO's: each completion's mean over its tokens, then the mean over completions.
+  4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever its completion's
+     length. Unanimous groups' tokens count too, so dropping them only saves compute, and a step shrinks as groups
+     turn unanimous (less left to learn). kept_tokens (DAPO's, without its refilling) keeps the step's size; sequence
+     is GRPO's.
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
@@ -199,8 +200,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
     return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
     shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
-    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # per completion: its targets (make_batch)
-    kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)  # group not unanimous
+    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i|: the targets make_batch lays out
+    # a unanimous group's advantages are exactly 0 (compute_advantages): the groups kept are the others
+    kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
     counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
     kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
     if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
@@ -219,9 +221,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # weight is d loss / d logp, known before the forward pass. The fast path uses it to make the head's gradients
-        # while each chunk's logits are at hand; its backward returns those, once it has checked that loss.backward()
-        # sent it weight. Nothing counts twice: the gradients equal plain_logprobs' (tests/test_fast_logprobs.py)
+        # weight is d loss / d logp, known before the forward pass. The fast path makes the head's gradients from it
+        # in its forward pass, while each chunk's logits are at hand; its backward returns those instead of computing
+        # them (after checking it was sent weight). One loss.backward(), one gradient: plain_logprobs' (tested equal)
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
@@ -280,7 +282,8 @@ def pass_at_k(n, c, k):
 def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, rows_per_call=256, system_prompt=""):
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
     answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
-    is; right: an answer reward of 1 or more, as a user's may give part marks). Returns (metrics, samples.jsonl's)."""
+    is; right: an answer reward of 1 or more, as a user's may give part marks). The same problems and random numbers at
+    every eval, so that evals compare. Returns (metrics, samples.jsonl's)."""
     mine, ids = problems[rank::world], range(rank, len(problems), world)  # ids: each problem its own stream
     # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
     names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
@@ -307,7 +310,10 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep."""
+    """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep. Steps count from 0,
+    a step's number being the updates done before it: the train row "step": 0 is the first update, and an eval or a
+    checkpoint at step s sees the weights after s updates. num_steps=2, eval_every=1: eval 0, update 0, eval 1,
+    update 1, eval 2, checkpoint step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
@@ -345,11 +351,11 @@ def train(cfg, rank, world, device):
         problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1. contiguous share
         model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
-        # 2-3. each problem's samples draw from a random stream of their own, from the step's seed and its place in the step
-        places = range(rank * len(problems), (rank + 1) * len(problems))
+        # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
+        problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
         with autocast, fsdp.gathered(model):
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                          seed=derive_seed(cfg.seed, "rollout", step), problem_ids=places, format_weight=cfg.format_weight,
+                          seed=derive_seed(cfg.seed, "rollout", step), problem_ids=problem_ids, format_weight=cfg.format_weight,
                           rows_per_call=cfg.generate_batch_rows, system_prompt=cfg.system_prompt)
         t_rollout = time.time() - t0
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop

@@ -62,10 +62,12 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
                       for s in seed])
 
 
-# A calculator call is due when the text ends in '<<', an expression on one line without '<', '>' or '=', and '=':
-# "so <<48/2=" calls 48/2, and "24>>" is written in after it. Only a token whose own text ends in '=' can complete a
-# call ("=\n" cannot). The '<' before the expression pair up from the run's start: "<<<<3=" calls 3, and "<<<3="
-# ("<<", then a lone '<' before the expression) calls nothing.
+# A calculator call: the text ends in '<<', an expression (one line, no '<', '>' or '=') and '=', and the token just
+# written ends in '='. The '<' before the expression pair up from the start of their run:
+#     "so <<48/2="    calls 48/2, and "24>>" is written in after it
+#     "so <<<<3="     calls 3 (two pairs)
+#     "so <<<3="      no call ("<<", then a lone '<' before the expression)
+#     "so <<3=\n"     no call (the token "=\n" does not end in '=')
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
