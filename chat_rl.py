@@ -13,9 +13,9 @@ laptop there is one rank.
      fast twin of generate_reference). Where a completion writes a calculator call such as `<<48/2=`, the result
      `24>>` is written in for it (--tool): those tokens are not the policy's, and get no gradient.
   3. Scoring: a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) gives 1 for a right final answer,
-     else 0 (so does one cut off before it wrote its answer), plus --format-weight x a format bonus (1 if the answer
-     is given once, in the task's form, at the end). Or your own --reward, any number; a reward that raises scores 0
-     (tasks/common.rewards).
+     else 0, plus --format-weight x a format bonus (1 if the answer is given once, in the task's form, at the end).
+     A completion cut off by max_new_tokens before it wrote its answer scores 0. Or your own --reward gives any
+     number; if it raises an exception, the completion scores 0 (tasks/common.rewards).
   4. Advantage: A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere: it carries no gradient and is dropped before the training forward pass.
   5. Loss (policy_gradient_backward), over the step's completions i on all ranks and the tokens S_i each sampled:
@@ -86,18 +86,6 @@ HYPERPARAMETERS = dict(
     device_type=        ("",                            "cpu",         "cpu | cuda | mps; empty = autodetect"),
     seed=               (0,                             0,             "seeds data order, sampling and evaluation"),
     resume=             (False,                         False,         "continue from the latest complete checkpoint in out_dir"),
-    # your own rows and reward (README "Your own task"): --data alone selects --task=data
-    data=               ("",                            "",            "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
-    data_config=        ("",                            "",            "the hub data set's configuration, e.g. main"),
-    train_split=        ("train",                       "train",       "--data's split to train on (a folder's or a hub data set's)"),
-    eval_split=         ("test",                        "test",        "--data's split of held-out rows, unless --eval-data"),
-    eval_data=          ("",                            "",            "held-out rows: a file, a folder (its --eval-split) or a hub id"),
-    prompt_column=      ("question",                    "question",    "--task=data: the column holding the prompt"),
-    answer_column=      ("answer",                      "answer",      "--task=data: the column holding the answer"),
-    instruction=        ("",                            "",            "--task=data: text appended to every prompt after a blank line"),
-    verifier=           ("gsm8k",                       "gsm8k",       "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
-    reward=             ("",                            "",            "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
-    system_prompt=      ("",                            "",            "a system turn before every prompt, through the chat template"),
     # rollouts
     examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
@@ -137,32 +125,43 @@ HYPERPARAMETERS = dict(
     save_every=         (-1,                            -1,            "steps between checkpoints; -1 = only at the end"),
     keep_checkpoints=   (2,                             2,             "how many recent checkpoints to keep"),
     wandb=              ("",                            "",            "wandb project to log to; empty = off"),
+    # your own rows and reward (README "Your own task"): --data alone selects --task=data
+    data=               ("",                            "",            "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
+    data_config=        ("",                            "",            "the hub data set's configuration, e.g. main"),
+    train_split=        ("train",                       "train",       "--data's split to train on (a folder's or a hub data set's)"),
+    eval_split=         ("test",                        "test",        "--data's split of held-out rows, unless --eval-data"),
+    eval_data=          ("",                            "",            "held-out rows: a file, a folder (its --eval-split) or a hub id"),
+    prompt_column=      ("question",                    "question",    "--task=data: the column holding the prompt"),
+    answer_column=      ("answer",                      "answer",      "--task=data: the column holding the answer"),
+    instruction=        ("",                            "",            "--task=data: text appended to every prompt after a blank line"),
+    verifier=           ("gsm8k",                       "gsm8k",       "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
+    reward=             ("",                            "",            "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
+    system_prompt=      ("",                            "",            "a system turn before every prompt, through the chat template"),
 )
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
-            rows_per_call=256, progress="", problem_ids=None, system_prompt=""):
+            generate_batch_rows=256, progress="", problem_ids=None, system_prompt=""):
     """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
-    samples of problems[0], then of problems[1], ...); an engine call decodes max(1, rows_per_call // num_samples) groups.
+    samples of problems[0], then of problems[1], ...); an engine call decodes max(1, generate_batch_rows // num_samples)
+    groups.
     A problem's samples draw from a stream of its own, from seed and its id (its index in the step or the eval set:
     problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt)) for problem in problems]
-    per_call = max(1, rows_per_call // num_samples)  # prompts per engine call
+    per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
                tool_calls=[], tool_errors=[], tool_use=[], reward_errors=[])
-    bar = tqdm(total=len(prompts), desc=progress, unit="problem", leave=False, disable=None if progress else True)
-    for start in range(0, len(prompts), per_call):
+    calls = range(0, len(prompts), per_call)
+    for start in tqdm(calls, desc=progress, unit="call", leave=False, disable=None if progress else True):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
         samples = engine.generate(prompts[start:start + per_call], num_samples, max_new_tokens,
                                   temperature, top_k, include_stop=True,
                                   seed=[derive_seed(seed, i) for i in problem_ids[start:start + per_call]])
         for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: answered and refused, per completion
             out[key] += getattr(samples, key)
-        bar.update(len(samples.sequences) // num_samples)
-    bar.close()
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
         completion_ids = seq[len(prompts[i // num_samples]):]
@@ -221,9 +220,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # weight is d loss / d logp, known before the forward pass. The fast path makes the head's gradients from it
-        # in its forward pass, while each chunk's logits are at hand; its backward returns those instead of computing
-        # them (after checking it was sent weight). One loss.backward(), one gradient: plain_logprobs' (tested equal)
+        # fast_logprobs gives the same logp and, through loss.backward(), the same gradient as plain_logprobs (tested);
+        # told weight, the gradient loss.backward() will send to logp, it makes the head's share in its forward pass
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
@@ -279,7 +277,7 @@ def pass_at_k(n, c, k):
 
 
 @torch.no_grad()
-def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, rows_per_call=256, system_prompt=""):
+def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, generate_batch_rows=256, system_prompt=""):
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
     answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
     is; right: an answer reward of 1 or more, as a user's may give part marks). The same problems and random numbers at
@@ -290,7 +288,7 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     totals, samples, reward_errors = dict.fromkeys(names, 0.0), [], 0
     if mine:
         label = "eval" if rank == 0 else ""
-        common = dict(seed=seed, rows_per_call=rows_per_call, problem_ids=ids, system_prompt=system_prompt)
+        common = dict(seed=seed, generate_batch_rows=generate_batch_rows, problem_ids=ids, system_prompt=system_prompt)
         out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, progress=label, **common)
         greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, progress=label and "eval greedy", **common)
         reward_errors = sum(e is not None for e in out["reward_errors"] + greedy["reward_errors"])
@@ -356,7 +354,7 @@ def train(cfg, rank, world, device):
         with autocast, fsdp.gathered(model):
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step), problem_ids=problem_ids, format_weight=cfg.format_weight,
-                          rows_per_call=cfg.generate_batch_rows, system_prompt=cfg.system_prompt)
+                          generate_batch_rows=cfg.generate_batch_rows, system_prompt=cfg.system_prompt)
         t_rollout = time.time() - t0
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
             break
@@ -381,7 +379,8 @@ def train(cfg, rank, world, device):
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
-    if not cfg.eval_only and step != last_saved and not (failure and step == start_step):  # nothing new: no checkpoint
+    nothing_new = step == last_saved or (failure and step == start_step)  # saved already, or failed before an update
+    if not cfg.eval_only and not nothing_new:
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
     if failure:
         raise RunError(f"step {step}: the reward failed on every completion; the first: {failure}", every_rank=True)

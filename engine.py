@@ -13,20 +13,8 @@ between two tokens, the draw differs.)
 generate_reference samples a batch the simplest correct way: one loop over token positions t, the model rerun over
 every running row's whole sequence at each, each row's calculator state in plain Python.
 
-Engine.generate samples the same rows, P prompts of different lengths x S completions each, as one batch of
-B = P * S rows, and wastes no work:
-  1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once. The KV cache knows
-     each prompt's pad count, so padding is neither attended to nor counted in RoPE positions: a left-padded
-     prompt computes what it computes alone, up to the last bit.
-  2. share: each prompt's keys and values serve all its S samples, stored once.
-  3. decode: one token per running row at each position t, each a forward pass over one position. A finished row
-     keeps decoding (its tokens discarded) until enough rows have finished to be worth a compaction: running rows
-     from the back of the batch then move into the finished rows' slots, and the batch ends where they end. So
-     finished rows stop costing the model's matmuls and the attention to their own keys (the attention to a
-     prompt's keys still runs over its S slots, zeros where a row has left: one matmul per prompt either way).
-  (The Engine stores u transposed, so position t reads u[t] as one contiguous slice; a compaction moves each row's
-  column with it.) The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator
-  calls in fast/tool_calls.py.
+The Engine samples the same rows with a KV cache, each prompt's shared by its samples, and finished rows compacted
+out of the batch (its class says how); the tests hold it to generate_reference.
 """
 
 import re
@@ -62,12 +50,9 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
                       for s in seed])
 
 
-# A calculator call: the text ends in '<<', an expression (one line, no '<', '>' or '=') and '=', and the token just
-# written ends in '='. The '<' before the expression pair up from the start of their run:
-#     "so <<48/2="    calls 48/2, and "24>>" is written in after it
-#     "so <<<<3="     calls 3 (two pairs)
-#     "so <<<3="      no call ("<<", then a lone '<' before the expression)
-#     "so <<3=\n"     no call (the token "=\n" does not end in '=')
+# A calculator call fires when the token just written ends in '=' and the text then ends in '<<', an expression (one
+# line, no '<', '>' or '=') and that '=': "so <<48/2=" calls 48/2, and "24>>" is then written in, a token a position.
+# A longer run of '<' pairs up from its start: "<<<<3=" calls 3, "<<<3=" nothing (tests/test_reference_sampler.py).
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
@@ -112,7 +97,8 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
                 continue
             still_running.append(b)
             # a call is spotted in the tokens decoded one by one (as the Engine's tables hold them), its expression read
-            # from them decoded together: the two differ only where a token alone splits a character or drops a space
+            # from them decoded together: the two differ only where a token alone splits a character or drops a space.
+            # A result's tokens pass here too; a number and '>>', they never complete a call
             piece = tokenizer.decode([token])
             text[b] += piece
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
@@ -264,6 +250,21 @@ def next_logits(model, token, cache):
 
 class Engine:
     """
+    Engine.generate samples the same rows as generate_reference, P prompts of different lengths x S completions each,
+    as one batch of B = P * S rows, and wastes no work:
+      1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once. The KV cache knows
+         each prompt's pad count, so padding is neither attended to nor counted in RoPE positions: a left-padded
+         prompt computes what it computes alone, up to the last bit.
+      2. share: each prompt's keys and values serve all its S samples, stored once.
+      3. decode: one token per running row at each position t, each a forward pass over one position. A finished row
+         keeps decoding (its tokens discarded) until enough rows have finished to be worth a compaction: running rows
+         from the back of the batch then move into the finished rows' slots, and the batch ends where they end. So
+         finished rows stop costing the model's matmuls and the attention to their own keys (the attention to a
+         prompt's keys still runs over its S slots, zeros where a row has left: one matmul per prompt either way).
+      (The Engine stores u transposed, so position t reads u[t] as one contiguous slice; a compaction moves each row's
+      column with it.) The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator
+      calls in fast/tool_calls.py.
+
     model, tokenizer: the policy and its tokenizer (stop_tokens, vocab_size).
     compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
         its rows has finished; 0 = as soon as one has, None = never. A compaction copies running rows from

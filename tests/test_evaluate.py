@@ -43,10 +43,10 @@ def problems():
     return arith.load("test", limit=len(RIGHT))
 
 
-def evaluate(problems, rows_per_call=256):
+def evaluate(problems, generate_batch_rows=256):
     engine = ScriptedEngine(problems)
     metrics, samples = chat_rl.evaluate(engine, arith, problems, K, max_new_tokens=16, rank=0, world=1,
-                                        device=torch.device("cpu"), seed=0, rows_per_call=rows_per_call)
+                                        device=torch.device("cpu"), seed=0, generate_batch_rows=generate_batch_rows)
     return metrics, samples, engine
 
 
@@ -67,7 +67,7 @@ def test_greedy_is_the_share_of_right_answers_at_temperature_0(problems):
 
 
 def test_the_numbers_do_not_depend_on_how_many_rows_an_engine_call_takes(problems):
-    assert evaluate(problems, rows_per_call=K)[0] == evaluate(problems)[0]
+    assert evaluate(problems, generate_batch_rows=K)[0] == evaluate(problems)[0]
 
 
 def test_samples_carry_each_problems_own_reference_and_reward(problems):
