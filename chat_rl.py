@@ -25,7 +25,7 @@ laptop there is one rank.
      ranks, with C the step's completions (dropped ones too):
          all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
-         sequence               N_i = C * |S_i|                     each completion's mean, then the mean of those
+         sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of those
   6. Update: gradients summed over ranks, their norm clipped, one AdamW step (skipped if the loss or the gradient is
      not finite, or if no group was kept). The learning rate falls linearly: step s uses lr x (1 - s / num_steps).
   7. Every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
@@ -199,7 +199,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
     return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
     shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
-    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i|: the targets make_batch lays out
+    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i| (mask[0], a prompt token, is no target)
     # a unanimous group's advantages are exactly 0 (compute_advantages): the groups kept are the others
     kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
     counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
