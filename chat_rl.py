@@ -7,30 +7,33 @@ for sampling, read engine.generate_reference, the plain sampler.
 
 One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one per GPU; on a
 laptop there is one rank.
-  1. Problems: the step-th slice of a permutation fixed per epoch, each rank its own share of examples_per_step
-     (plumbing/data.py). The step alone fixes the data, so a resumed run continues it.
-  2. Sampling: num_samples completions of each problem (its group), at --temperature, by engine.py's Engine (the
-     fast twin of generate_reference). Where a completion writes a calculator call such as `<<48/2=`, the result
-     `24>>` is written in for it (--tool): those tokens are not the policy's, and get no gradient.
-  3. Scoring: a rule-based verifier (GSM8K's "#### <number>", MATH's \\boxed{}) gives 1 for a right final answer,
-     else 0, plus --format-weight x a format bonus (1 if the answer is given once, in the task's form, at the end).
-     A completion cut off by max_new_tokens before it wrote its answer scores 0. Or your own --reward gives any
-     number; if it raises an exception, the completion scores 0 (tasks/common.rewards).
-  4. Advantage: A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
-     A = 0 everywhere: it carries no gradient and is dropped before the training forward pass.
-  5. Loss (policy_gradient_backward), over the step's completions i on all ranks and the tokens S_i each sampled:
+  1. Problems. Each epoch fixes a permutation of the training problems; step s takes its s-th slice of
+     examples_per_step problems, each rank an equal, contiguous share (plumbing/data.py). So the step alone fixes
+     the data, and a resumed run continues it.
+  2. Sampling. The Engine (engine.py, the fast twin of generate_reference) samples num_samples completions of each
+     problem, its group, at --temperature. The stop token is sampled and trained like any other. Where a completion
+     writes a calculator call such as `<<48/2=`, the result `24>>` is written in for it (--tool). Those tokens are
+     not the policy's, so they get no gradient.
+  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the verifier finds the
+     right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0, so a completion cut off before its
+     answer scores 0; with your own --reward, answer is the number it returns. format is 1 if the answer is given
+     once, in the task's form, at the end. A reward that raises an exception scores 0.
+  4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
+     A = 0 everywhere. It carries no gradient, so it is dropped before the training forward pass.
+  5. Loss (policy_gradient_backward). Over the step's completions i on all ranks, and the tokens S_i each sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
-     logp_it is the token's log-probability under softmax(logits / temperature), the distribution it was drawn from
-     (--top-k > 0 truncates that, which the loss does not model: keep it 0). N_i, per --loss-norm, counted on all
-     ranks, with C the step's completions (dropped ones too):
+     logp_it is the token's log-probability under softmax(logits / temperature), the distribution it was drawn
+     from. (--top-k > 0 truncates that distribution, which the loss does not model: keep it 0.) N_i depends on
+     --loss-norm. It is counted on all ranks; C is the step's completions, dropped ones included:
          all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of those
-  6. Update: gradients summed over ranks, their norm clipped, one AdamW step (skipped if the loss or the gradient is
-     not finite, or if no group was kept). The learning rate falls linearly: step s uses lr x (1 - s / num_steps).
-  7. Every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
-Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): what each does is said where it
-is called, and the RL above does not depend on how.
+  6. Update. Gradients are summed over ranks and their norm is clipped. Then AdamW takes one step, unless the loss
+     or the gradient is not finite, or no group was kept. The learning rate falls linearly: step s uses
+     lr x (1 - s / num_steps).
+  7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
+Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints). The comment at each call says
+what it does; the RL above does not depend on how.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
@@ -40,15 +43,13 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up near-unanimous
      groups into full-size updates (`--advantage=zscore` brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever its completion's
-     length. Unanimous groups' tokens count too, so dropping them only saves compute, and a step shrinks as groups
-     turn unanimous (less left to learn). kept_tokens (DAPO's, without its refilling) keeps the step's size; sequence
-     is GRPO's.
+     length. Unanimous groups' tokens count too: dropping them only saves compute, and steps shrink as groups turn
+     unanimous (less left to learn). kept_tokens (DAPO's, without refilling) keeps their size; sequence is GRPO's.
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
     python -m chat_rl                                                 # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
-    torchrun --standalone --nproc_per_node=8 -m chat_rl               # 8 GPUs (a 7B model: --fsdp, see the README)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 -m chat_rl
+    torchrun --standalone --nproc_per_node=8 -m chat_rl               # 8 GPUs (several nodes, a 7B model: README)
 """
 
 import math
@@ -143,11 +144,10 @@ HYPERPARAMETERS = dict(
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed, format_weight=0.0,
             generate_batch_rows=256, progress="", problem_ids=None, system_prompt=""):
-    """Sample num_samples completions per problem and score each: a dict of per-completion lists, prompt-major (the
-    samples of problems[0], then of problems[1], ...); an engine call decodes max(1, generate_batch_rows // num_samples)
-    groups.
-    A problem's samples draw from a stream of its own, from seed and its id (its index in the step or the eval set:
-    problem_ids, default 0, 1, ...), so ranks and batching leave them alike."""
+    """Sample num_samples completions of each problem and score them. Returns a dict of per-completion lists in
+    problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes generate_batch_rows //
+    num_samples problems (at least one). Each problem's samples draw from a random stream of their own, seeded by
+    seed and its id (problem_ids: its place in the step or the eval set), so ranks and batching do not change them."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt)) for problem in problems]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
@@ -220,8 +220,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # fast_logprobs gives the same logp and, through loss.backward(), the same gradient as plain_logprobs (tested);
-        # told weight, the gradient loss.backward() will send to logp, it makes the head's share in its forward pass
+        # loss_grad=weight is d loss / d logp, given ahead so the fast path can skip recomputing the head in backward.
+        # loss.backward() runs once; either path gives plain_logprobs' logp and gradient (tests/test_fast_logprobs.py)
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
@@ -258,9 +258,9 @@ def adamw(parameters, lr, weight_decay):
 
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
-    """Clip the global gradient norm, then step at lr. Returns (grad_norm, finite). A non-finite loss or gradient
-    skips the update; so does a step where no row carried gradient (zeros after sync_gradients, with which AdamW's
-    momentum would still move the weights). The learning rate's schedule goes on through a skipped step."""
+    """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite). The step is skipped
+    if the loss or the gradient is not finite, and if no group was kept: there is no gradient then, but AdamW's
+    momentum would still move the weights. The learning rate's schedule moves on through a skipped step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True))

@@ -96,15 +96,12 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
             if token in tokenizer.stop_tokens:
                 continue
             still_running.append(b)
-            # a call is spotted in the tokens decoded one by one (as the Engine's tables hold them), its expression read
-            # from them decoded together: the two differ only where a token alone splits a character or drops a space.
-            # A result's tokens pass here too; a number and '>>', they never complete a call
             piece = tokenizer.decode([token])
-            text[b] += piece
+            text[b] += piece  # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
                 calls[b] += 1
-                written = tokenizer.decode(new[b])
-                result = tool(written[written.rfind("<<") + 2:-1])
+                written = tokenizer.decode(new[b])  # decoded together: a token alone can split a character, drop a space
+                result = tool(written[written.rfind("<<") + 2:-1])  # after the last '<<', before the '='
                 if result is None:
                     errors[b] += 1
                 else:
