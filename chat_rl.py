@@ -97,7 +97,7 @@ HYPERPARAMETERS = dict(
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
-    advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
+    advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
     loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's divisor: all_tokens | kept_tokens | sequence (the docstring's step 5)"),
     logprobs=           ("fast",                        "fast",        "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
@@ -199,7 +199,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
     return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
     shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
-    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i| (mask[0], a prompt token, is no target)
+    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i|: targets are tokens 1.. (make_batch)
     # a unanimous group's advantages are exactly 0 (compute_advantages): the groups kept are the others
     kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
     counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
@@ -220,8 +220,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         sampled = targets >= 0
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # loss_grad=weight is d loss / d logp, given ahead so the fast path can skip recomputing the head in backward.
-        # loss.backward() runs once; either path gives plain_logprobs' logp and gradient (tests/test_fast_logprobs.py)
+        # loss_grad=weight tells the fast path d loss / d logp ahead, so it makes the head's gradients in its forward
+        # pass; its backward checks that loss.backward() sends back exactly weight (else raises) and returns them.
+        # Either path gives plain_logprobs' logp and gradient, applied once (tests/test_fast_logprobs.py)
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
         loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
@@ -365,11 +366,11 @@ def train(cfg, rank, world, device):
             device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
             autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
             vocab_size=tokenizer.vocab_size)
-        sync_gradients(model)  # 6. summed, not averaged (the normaliser counts every rank; FSDP's divide factor is 1)
+        sync_gradients(model)  # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = peak_lr * (1 - step / num_steps)  # linear decay: the last update at peak_lr / num_steps
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
-        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)  # too many: stop
+        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)  # stops at max_nonfinite
         row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)

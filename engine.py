@@ -130,7 +130,8 @@ def sample_reference(logits, u, temperature, top_k):
         logits = logits.masked_fill(logits < kth, float("-inf"))
     cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
     token = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
-    # where rounding puts u * total at or past the last sum: its first maximum, the last entry that raised it
+    # if rounding puts u * total at or past the last sum, take the last token that added probability (the first
+    # place the cumulative sum reaches its maximum): a token the row could draw
     return torch.minimum(token, cdf.argmax(dim=-1, keepdim=True))[:, 0]
 
 
