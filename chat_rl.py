@@ -154,8 +154,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
     out = dict(sequences=[], masks=[], answer=[], format=[], total=[], tokens=[], completions=[], truncated=[],
                tool_calls=[], tool_errors=[], tool_use=[], reward_errors=[])
-    calls = range(0, len(prompts), per_call)
-    for start in tqdm(calls, desc=progress, unit="call", leave=False, disable=None if progress else True):
+    for start in tqdm(range(0, len(prompts), per_call), desc=progress, unit="call", leave=False, disable=None if progress else True):
         # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
         samples = engine.generate(prompts[start:start + per_call], num_samples, max_new_tokens,
                                   temperature, top_k, include_stop=True,
@@ -370,7 +369,8 @@ def train(cfg, rank, world, device):
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = peak_lr * (1 - step / num_steps)  # linear decay: the last update at peak_lr / num_steps
         grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
-        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)  # stops at max_nonfinite
+        # non-finite updates in a row: max_nonfinite of them stop the run (a step with nothing kept leaves the count)
+        nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
         row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
