@@ -7,7 +7,7 @@ for sampling, read engine.generate_reference, the plain sampler.
 
 One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one per GPU; on a
 laptop there is one rank.
-  1. Problems. Each epoch fixes a permutation of the training problems; step s takes its s-th slice of
+  1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next slice of
      examples_per_step problems, each rank an equal, contiguous share (plumbing/data.py). So the step alone fixes
      the data, and a resumed run continues it.
   2. Sampling. The Engine (engine.py, the fast twin of generate_reference) samples num_samples completions of each
@@ -28,12 +28,12 @@ laptop there is one rank.
          all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of those
-  6. Update. Gradients are summed over ranks and their norm is clipped. Then AdamW takes one step, unless the loss
-     or the gradient is not finite, or no group was kept. The learning rate falls linearly: step s uses
-     lr x (1 - s / num_steps).
+  6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW takes one step,
+     unless the loss or the gradient is not finite, or no group was kept. The learning rate falls linearly: step s
+     uses lr x (1 - s / num_steps), lr being --lr (--lora-lr with LoRA).
   7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
-Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints). The comment at each call says
-what it does; the RL above does not depend on how.
+Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): the RL above does not depend on
+how they work.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
@@ -93,12 +93,12 @@ HYPERPARAMETERS = dict(
     max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
     temperature=        (1.0,                           1.0,           "sampling temperature for rollouts, > 0 (the loss divides by it)"),
     top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
-    generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes"),
+    generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes; one prompt's at least"),
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
     tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
-    loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's divisor: all_tokens | kept_tokens | sequence (the docstring's step 5)"),
+    loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
     logprobs=           ("fast",                        "fast",        "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
@@ -147,7 +147,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     """Sample num_samples completions of each problem and score them. Returns a dict of per-completion lists in
     problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes generate_batch_rows //
     num_samples problems (at least one). Each problem's samples draw from a random stream of their own, seeded by
-    seed and its id (problem_ids: its place in the step or the eval set), so ranks and batching do not change them."""
+    seed and its id (problem_ids: its place in the step or the eval set): ranks and batching leave their numbers."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt)) for problem in problems]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
@@ -220,7 +220,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
         # loss_grad=weight tells the fast path d loss / d logp ahead, so it makes the head's gradients in its forward
-        # pass; its backward checks that loss.backward() sends back exactly weight (else raises) and returns them.
+        # pass; its backward checks that loss.backward() sends back weight (else it raises) and returns those.
         # Either path gives plain_logprobs' logp and gradient, applied once (tests/test_fast_logprobs.py)
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
@@ -259,7 +259,7 @@ def adamw(parameters, lr, weight_decay):
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite). The step is skipped
-    if the loss or the gradient is not finite, and if no group was kept: there is no gradient then, but AdamW's
+    if the loss or the gradient is not finite, and if no group was kept: the gradient is zero then, but AdamW's
     momentum would still move the weights. The learning rate's schedule moves on through a skipped step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -309,8 +309,8 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
     """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep. Steps count from 0,
-    a step's number being the updates done before it: the train row "step": 0 is the first update, and an eval or a
-    checkpoint at step s sees the weights after s updates. num_steps=2, eval_every=1: eval 0, update 0, eval 1,
+    a step's number being the steps done before it: the train row "step": 0 is the first, and an eval or a checkpoint
+    at step s sees the weights after s steps (an update each, unless skipped). num_steps=2, eval_every=1: eval 0, update 0, eval 1,
     update 1, eval 2, checkpoint step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     task = load_task(cfg)
@@ -349,7 +349,7 @@ def train(cfg, rank, world, device):
         problems = problems_for_step(train_rows, step, rank, world, cfg.examples_per_step, cfg.seed)  # 1. contiguous share
         model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
-        # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
+        # 2-3. a problem's id, its place in the step, seeds its samples' random numbers: the same on 1 rank or 8
         problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
         with autocast, fsdp.gathered(model):
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,

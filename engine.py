@@ -7,8 +7,8 @@ u[b, t]. Each prompt's rows can have a seeded generator of their own, so a probl
 shares its batch. The token is where u[b, t] falls in the row's cumulative probabilities, walked in vocabulary
 order (inverse CDF: one softmax pass, not a random number per vocabulary entry as the Gumbel-max trick needs). So a
 row's token depends only on its own logits and its own number, and the same seed gives the same samples. (Logits
-can still move in the last bit with the batch's size, as any batched matmul's do; where that crosses the boundary
-between two tokens, the draw differs.)
+can still move in the last bit with the batch's size or the cache, as any batched matmul's do; where that crosses
+the boundary between two tokens, the draw differs.)
 
 generate_reference samples a batch the simplest correct way: one loop over token positions t, the model rerun over
 every running row's whole sequence at each, each row's calculator state in plain Python.
@@ -39,8 +39,8 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
     The call's random numbers, (B, max_new_tokens): row b's token t draws with u[b, t]. seed: one number for the
     whole call, or a list of one per prompt, whose num_samples rows then draw from that prompt's own stream,
     whatever else shares the batch (so that a problem samples alike on 1 rank or on 8). The same seed gives the same
-    numbers on one device type (CPU and CUDA generators differ), and for one max_new_tokens (a row's numbers are the
-    next max_new_tokens of its stream).
+    numbers on one device type (CPU and CUDA generators differ), and for one max_new_tokens (which sets the numbers
+    each row takes from its stream).
     """
     if isinstance(seed, int):
         return torch.rand(num_prompts * num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(seed),

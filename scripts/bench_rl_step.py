@@ -79,18 +79,18 @@ def main():
 
 
 # ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)
-def update_matmul_seconds(c, positions, valid):
+def update_matmul_seconds(c, positions, kept_tokens):
     """
     Seconds of the update's weight matmuls alone, each timed at its own shape: for every Linear of a layer (times the
     layers) and the head, the forward x @ W.T and the backward's two, dY @ W and dY.T @ x, on `positions` rows (the
-    head: the `valid` tokens the loss projects). Small inner dimensions (width 256) run well below a square GEMM's
+    head: the kept tokens the loss projects). Small inner dimensions (width 256) run well below a square GEMM's
     rate: this is the floor those matmuls set, whatever the rest of the update does.
     """
     width, heads = c.hidden_size, c.head_dim * (c.num_attention_heads + 2 * c.num_key_value_heads)
     shapes = [(width, heads), (c.head_dim * c.num_attention_heads, width), (width, 2 * c.intermediate_size),
               (c.intermediate_size, width)]
     total = 0.0
-    for (n_in, n_out), rows, times in [(s, positions, c.num_hidden_layers) for s in shapes] + [((width, c.vocab_size), valid, 1)]:
+    for (n_in, n_out), rows, times in [(s, positions, c.num_hidden_layers) for s in shapes] + [((width, c.vocab_size), kept_tokens, 1)]:
         x, w, dy = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
         total += times * sum(best_of(f, 2) for f in (lambda: x @ w.T, lambda: dy @ w, lambda: dy.T @ x))
     return total
@@ -146,10 +146,10 @@ def step_parts(model, n_prompts, samples, new_tokens):
 
         def update(logprobs=chat_rl.fast_logprobs):  # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
             model.zero_grad(set_to_none=True)
-            loss, valid = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
+            loss, kept_tokens = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
                                                            defaults["loss_norm"], "cpu", logprobs=logprobs,
                                                            device_batch_tokens=defaults["device_batch_tokens"])
-            chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), valid)
+            chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), kept_tokens)
 
         def update_whole():  # the same with plain_logprobs: every sequence whole, one row each, all logits at once
             update(chat_rl.plain_logprobs)
@@ -164,7 +164,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
         arith.grade = grade
     return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
                 update_whole=whole, update_floor=floor, gemm_flops=rates[torch.float32],
-                update_matmuls=update_matmul_seconds(c, work["positions"], work["valid"]), **work)
+                update_matmuls=update_matmul_seconds(c, work["positions"], work["kept_tokens"]), **work)
 
 
 def update_against_floor(update, work, device, dtype, n=2048, tries=2):
@@ -203,17 +203,18 @@ def update_work(c, kept, samples):
     last token on) and each group's prompt less its last token once. Weights: 2 FLOPs a weight a position forward, 4
     backward. Attention: q.k and p.v, 4 x heads x head_dim a (query, key) pair and layer forward, twice that backward;
     an own position sees the prefix and the own positions up to it, a prefix position the prefix up to it. Also the
-    positions the layers run, the tokens the head projects (valid) and the FLOPs of the head's two gradient matmuls.
+    positions the layers run, the tokens the head projects (kept_tokens) and the FLOPs of the head's two gradient matmuls.
     """
     own = [(sum(m), len(s) - sum(m) - 1) for s, m in kept]  # (own positions, prefix length) a row
     positions = sum(n for n, _ in own) + sum(p for _, p in own[::samples])
     pairs = sum(n * p + n * (n + 1) // 2 for n, p in own) + sum(p * (p + 1) // 2 for _, p in own[::samples])
     body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
                                   + 3 * c.hidden_size * c.intermediate_size)
-    valid = sum(sum(m[1:]) for _, m in kept)
-    return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * valid, positions=positions, valid=valid,
+    kept_tokens = sum(sum(m[1:]) for _, m in kept)
+    return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * kept_tokens, positions=positions,
+                kept_tokens=kept_tokens,
                 attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs,
-                head_grad_flops=4 * c.vocab_size * c.hidden_size * valid)
+                head_grad_flops=4 * c.vocab_size * c.hidden_size * kept_tokens)
 
 
 if __name__ == "__main__":

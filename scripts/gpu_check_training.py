@@ -127,10 +127,10 @@ def check_update(s):
 
     def update():
         model.zero_grad(set_to_none=True)
-        loss, valid = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, s.samples,
+        loss, kept_tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, s.samples,
                                                        defaults["loss_norm"], s.device, autocast=s.autocast(),
                                                        device_batch_tokens=defaults["device_batch_tokens"])
-        chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), valid)
+        chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), kept_tokens)
 
     work = update_work(model.config, list(zip(sequences, masks)), s.samples)
     seconds, floor, rates = update_against_floor(update, work, s.device, torch.bfloat16 if s.cuda else torch.float32,
