@@ -310,8 +310,8 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
 def train(cfg, rank, world, device):
     """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep. Steps count from 0,
     a step's number being the steps done before it: the train row "step": 0 is the first, and an eval or a checkpoint
-    at step s sees the weights after s steps (an update each, unless skipped). num_steps=2, eval_every=1: eval 0, update 0, eval 1,
-    update 1, eval 2, checkpoint step_000002."""
+    at step s sees the weights after s steps (an update each, unless skipped). num_steps=2, eval_every=1: eval 0,
+    update 0, eval 1, update 1, eval 2, checkpoint step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
