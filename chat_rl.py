@@ -198,7 +198,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
     return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
     shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
-    sampled_tokens = torch.tensor([float(sum(mask[1:])) for mask in masks])  # |S_i|: targets are tokens 1.. (make_batch)
+    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask is 1 where the policy sampled
     # a unanimous group's advantages are exactly 0 (compute_advantages): the groups kept are the others
     kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
     counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
