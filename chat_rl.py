@@ -147,7 +147,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     """Sample num_samples completions of each problem and score them. Returns a dict of per-completion lists in
     problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes generate_batch_rows //
     num_samples problems (at least one). Each problem's samples draw from a random stream of their own, seeded by
-    seed and its id (problem_ids: its place in the step or the eval set): ranks and batching leave their numbers."""
+    seed and its id (problem_ids: its place in the step or the eval set), so ranks and batching change none."""
     tokenizer = engine.tokenizer
     prompts = [tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt)) for problem in problems]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
@@ -220,11 +220,11 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
         weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
         # loss_grad=weight tells the fast path d loss / d logp ahead, so it makes the head's gradients in its forward
-        # pass; its backward checks that loss.backward() sends back weight (else it raises) and returns those.
-        # Either path gives plain_logprobs' logp and gradient, applied once (tests/test_fast_logprobs.py)
+        # pass; loss.backward() then hands those over, once, instead of making them (it raises if what arrives is not
+        # weight). A loss not linear in logp (a ratio, a KL): pass loss_grad=None, which both paths take.
         with autocast:
             logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
-        loss = (weight * logp).sum()  # a loss not linear in logp (a ratio, a KL): pass loss_grad=None
+        loss = (weight * logp).sum()  # either path: plain_logprobs' value and gradient (tests/test_fast_logprobs.py)
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum, int(kept_tokens)

@@ -51,8 +51,9 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
 
 
 # A calculator call fires when the token just written ends in '=' and the text then ends in '<<', an expression (one
-# line, no '<', '>' or '=') and that '=': "so <<48/2=" calls 48/2, and "24>>" is then written in, a token a position.
-# A longer run of '<' pairs up from its start: "<<<<3=" calls 3, "<<<3=" nothing (tests/test_reference_sampler.py).
+# line, no '<', '>' or '=') and that '=': "so <<48/2=" calls 48/2, and "24>>" is then written in, one token per
+# position. A longer run of '<' pairs up from its start: "<<<<3=" calls 3, "<<<3=" nothing
+# (tests/test_reference_sampler.py).
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
