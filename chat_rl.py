@@ -27,7 +27,7 @@ laptop there is one rank.
      --loss-norm. It is counted on all ranks; C is the step's completions, dropped ones included:
          all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
-         sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of those
+         sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of all C
   6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW takes one step,
      unless the loss or the gradient is not finite, or no group was kept. The learning rate falls linearly: step s
      uses lr x (1 - s / num_steps), lr being --lr (--lora-lr with LoRA).
@@ -44,7 +44,7 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      groups into full-size updates (`--advantage=zscore` brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever its completion's
      length. Unanimous groups' tokens count too: dropping them only saves compute, and steps shrink as groups turn
-     unanimous (less left to learn). kept_tokens (DAPO's, without refilling) keeps their size; sequence is GRPO's.
+     unanimous (less left to learn). kept_tokens (DAPO's, no refilling) keeps their size; sequence is GRPO's (all C).
 
 Run it:
     python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
