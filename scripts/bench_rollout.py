@@ -46,8 +46,6 @@ CONFIGS = {
 FULL_VOCAB = 151936  # Qwen2.5 / Qwen3
 
 
-
-
 def measure_machine(quick):
     n = 512 if quick else 2048
     a, b = torch.randn(n, n), torch.randn(n, n)

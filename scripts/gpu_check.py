@@ -36,7 +36,7 @@ import torch
 from engine import Engine
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_mixed_lengths, bench_rollout
-from scripts.bench_rl_step import SHAPES
+from scripts.bench_rl_step import SHAPES, Tokenizer
 from scripts.gpu_check_training import check_fsdp_loss, check_shared_loss, check_update
 
 BENCH_RL_STEP = "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
@@ -107,7 +107,7 @@ def check_env(s):
 def check_rollout(s):
     model = s.model()
     vocab = model.config.vocab_size
-    engine = Engine(model, bench_rollout.Tokenizer(vocab))  # no stop tokens: every row makes new_tokens
+    engine = Engine(model, Tokenizer(vocab))  # no stop tokens: every row makes new_tokens
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
     with s.autocast():
         (_, warm) = s.timed(lambda: engine.generate_batch(prompts, s.samples, max(2, s.new_tokens // 8), 1.0, None, seed=0))
@@ -133,7 +133,7 @@ def gpu_busy_us(prof):
 def check_profile(s):
     model = s.model()
     vocab = model.config.vocab_size
-    engine = Engine(model, bench_rollout.Tokenizer(vocab))
+    engine = Engine(model, Tokenizer(vocab))
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
     n = s.profile_tokens
 
