@@ -146,7 +146,7 @@ def test_a_reward_that_fails_on_every_completion_stops_in_one_line(tmp_path, cap
 MY_TASK = '''
 """A user's task: arith's problems, the answer read from a 'Final:' line."""
 import re
-from tasks import arith, generic
+from tasks import arith
 
 
 def load(split, limit=None):
