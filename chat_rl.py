@@ -76,68 +76,78 @@ from plumbing.metrics import (MetricsLog, all_rewards_failed, check_nonfinite, c
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
-# What a fork edits. Two columns: the default run (GSM8K, a real model, GPUs) and --preset=demo's (the offline demo on one
-# CPU, demo_model/ the 0.8M-parameter model made by scripts/make_demo_model.py). Each name is also a flag, - for _
-# (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
+# What a fork edits: the default run (GSM8K, a real model, GPUs), then the presets' changes to it. Each name is also
+# a flag, - for _ (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
 HYPERPARAMETERS = dict(
-    # name               default                        --preset=demo  meaning
-    task=               ("gsm8k",                       "arith",       "gsm8k | math | arith (offline) | data (--data) | my_pkg.my_task | path/to/task.py"),
-    model=              ("Qwen/Qwen2.5-0.5B-Instruct",  "demo_model",  "hub id, Hugging Face folder (config.json + safetensors) or PEFT LoRA folder"),
-    out_dir=            ("out",                         "out/demo",    "metrics.jsonl, samples.jsonl and checkpoints go here"),
-    device_type=        ("",                            "cpu",         "cpu | cuda | mps; empty = autodetect"),
-    seed=               (0,                             0,             "seeds data order, sampling and evaluation"),
-    resume=             (False,                         False,         "continue from the latest complete checkpoint in out_dir"),
+    # name=(default, meaning)
+    task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | my_pkg.my_task | path/to/task.py"),
+    model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id, Hugging Face folder (config.json + safetensors) or PEFT LoRA folder"),
+    out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
+    device_type=("", "cpu | cuda | mps; empty = autodetect"),
+    seed=(0, "seeds data order, sampling and evaluation"),
+    resume=(False, "continue from the latest complete checkpoint in out_dir"),
     # rollouts
-    examples_per_step=  (16,                            12,            "problems per optimizer step, across all ranks (a multiple of them)"),
-    num_samples=        (16,                            16,            "completions sampled per problem (the group)"),
-    max_new_tokens=     (768,                           64,            "completion budget; one cut off before its final answer has none: reward 0"),
-    temperature=        (1.0,                           1.0,           "sampling temperature for rollouts, > 0 (the loss divides by it)"),
-    top_k=              (0,                             0,             "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
-    generate_batch_rows=(256,                           256,           "most rows (prompts x samples) one engine call decodes; one prompt's at least"),
+    examples_per_step=(16, "problems per optimizer step, across all ranks (a multiple of them)"),
+    num_samples=(16, "completions sampled per problem (the group)"),
+    max_new_tokens=(768, "completion budget; one cut off before its final answer has none: reward 0"),
+    temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss divides by it)"),
+    top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
+    generate_batch_rows=(256, "most rows (prompts x samples) one engine call decodes; one prompt's at least"),
     # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
-    tool=               ("calculator",                  "calculator",  "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
+    tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
-    advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
-    loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
-    logprobs=           ("fast",                        "fast",        "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
-    format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
+    advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
+    loss_norm=("all_tokens", "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
+    logprobs=("fast", "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
+    format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
-    num_epochs=         (1,                             1,             "passes over the training problems (when num_steps is -1)"),
-    num_steps=          (-1,                            150,           "optimizer steps; -1 = derived from num_epochs"),
-    device_batch_size=  (8,                             64,            "most rows per forward/backward micro-batch"),
-    device_batch_tokens=(16384,                         16384,         "most tokens (rows x padded length) per micro-batch"),
-    lr=                 (3e-6,                          3e-4,          "AdamW peak learning rate; step s uses lr x (1 - s / num_steps)"),
+    num_epochs=(1, "passes over the training problems (when num_steps is -1)"),
+    num_steps=(-1, "optimizer steps; -1 = derived from num_epochs"),
+    device_batch_size=(8, "most rows per forward/backward micro-batch"),
+    device_batch_tokens=(16384, "most tokens (rows x padded length) per micro-batch"),
+    lr=(3e-6, "AdamW peak learning rate; step s uses lr x (1 - s / num_steps)"),
     # LoRA (policy/lora.py): a frozen base, adapters trained, at several times full fine-tuning's learning rate
-    lora_rank=          (0,                             0,             "rank of the LoRA adapters; 0 = full fine-tuning"),
-    lora_alpha=         (32.0,                          32.0,          "LoRA's scale is lora_alpha / lora_rank"),
-    lora_targets=       ("all-linear",                  "all-linear",  "all-linear | q_proj,v_proj,...; add ,lm_head or ,embed_tokens to train them whole"),
-    lora_lr=            (3e-5,                          1e-3,          "the peak learning rate with --lora-rank > 0, instead of --lr"),
-    weight_decay=       (0.0,                           0.0,           "AdamW weight decay"),
-    grad_clip=          (1.0,                           1.0,           "clip the global gradient norm; 0 = off"),
-    max_nonfinite=      (5,                             5,             "stop after this many non-finite updates in a row"),
+    lora_rank=(0, "rank of the LoRA adapters; 0 = full fine-tuning"),
+    lora_alpha=(32.0, "LoRA's scale is lora_alpha / lora_rank"),
+    lora_targets=("all-linear", "all-linear | q_proj,v_proj,...; add ,lm_head or ,embed_tokens to train them whole"),
+    lora_lr=(3e-5, "the peak learning rate with --lora-rank > 0, instead of --lr"),
+    weight_decay=(0.0, "AdamW weight decay"),
+    grad_clip=(1.0, "clip the global gradient norm; 0 = off"),
+    max_nonfinite=(5, "stop after this many non-finite updates in a row"),
     # memory (README: "Past one GPU's memory")
-    fsdp=               (False,                         False,         "FSDP2: shard weights/grads/AdamW when 16 B/param won't fit"),
-    activation_checkpointing=(False,                    False,         "recompute layers in backward: less memory, ~1/3 more compute"),
+    fsdp=(False, "FSDP2: shard weights/grads/AdamW when 16 B/param won't fit"),
+    activation_checkpointing=(False, "recompute layers in backward: less memory, ~1/3 more compute"),
     # evaluation and checkpoints
-    eval_every=         (50,                            50,            "steps between pass@k evals; -1 = off"),
-    eval_only=          (False,                         False,         "evaluate --model once (no training, no checkpoint) and stop"),
-    eval_examples=      (400,                           200,           "held-out problems per eval"),
-    eval_samples=       (4,                             8,             "samples per held-out problem at temperature 1.0"),
-    save_every=         (-1,                            -1,            "steps between checkpoints; -1 = only at the end"),
-    keep_checkpoints=   (2,                             2,             "how many recent checkpoints to keep"),
-    wandb=              ("",                            "",            "wandb project to log to; empty = off"),
+    eval_every=(50, "steps between pass@k evals; -1 = off"),
+    eval_only=(False, "evaluate --model once (no training, no checkpoint) and stop"),
+    eval_examples=(400, "held-out problems per eval"),
+    eval_samples=(4, "samples per held-out problem at temperature 1.0"),
+    save_every=(-1, "steps between checkpoints; -1 = only at the end"),
+    keep_checkpoints=(2, "how many recent checkpoints to keep"),
+    wandb=("", "wandb project to log to; empty = off"),
     # your own rows and reward (README "Your own task"): --data alone selects --task=data
-    data=               ("",                            "",            "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
-    data_config=        ("",                            "",            "the hub data set's configuration, e.g. main"),
-    train_split=        ("train",                       "train",       "--data's split to train on (a folder's or a hub data set's)"),
-    eval_split=         ("test",                        "test",        "--data's split of held-out rows, unless --eval-data"),
-    eval_data=          ("",                            "",            "held-out rows: a file, a folder (its --eval-split) or a hub id"),
-    prompt_column=      ("question",                    "question",    "--task=data: the column holding the prompt"),
-    answer_column=      ("answer",                      "answer",      "--task=data: the column holding the answer"),
-    instruction=        ("",                            "",            "--task=data: text appended to every prompt after a blank line"),
-    verifier=           ("gsm8k",                       "gsm8k",       "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
-    reward=             ("",                            "",            "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
-    system_prompt=      ("",                            "",            "a system turn before every prompt, through the chat template"),
+    data=("", "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
+    data_config=("", "the hub data set's configuration, e.g. main"),
+    train_split=("train", "--data's split to train on (a folder's or a hub data set's)"),
+    eval_split=("test", "--data's split of held-out rows, unless --eval-data"),
+    eval_data=("", "held-out rows: a file, a folder (its --eval-split) or a hub id"),
+    prompt_column=("question", "--task=data: the column holding the prompt"),
+    answer_column=("answer", "--task=data: the column holding the answer"),
+    instruction=("", "--task=data: text appended to every prompt after a blank line"),
+    verifier=("gsm8k", "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
+    reward=("", "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
+    system_prompt=("", "a system turn before every prompt, through the chat template"),
+)
+
+PRESETS = dict(
+    # the offline demo on one CPU: demo_model/, the 0.8M-parameter model made by scripts/make_demo_model.py
+    demo=dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu", examples_per_step=12,
+              max_new_tokens=64, num_steps=150, device_batch_size=64, lr=3e-4, lora_lr=1e-3, eval_examples=200,
+              eval_samples=8),
+    # a real chat model learning on a laptop's CPU (README "A real model on a laptop"); measured choices
+    smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2", device_type="cpu",
+                 examples_per_step=8, num_samples=8, max_new_tokens=64, tool="none", num_steps=60,
+                 device_batch_size=64, lr=1e-5, lora_lr=1e-4, eval_every=60, eval_examples=64, eval_samples=16),
 )
 
 
@@ -393,7 +403,7 @@ def train(cfg, rank, world, device):
 # ==== the command line ==============================================================================
 def main(argv=None):
     """python -m chat_rl [--name=value ...]: plumbing/flags.run checks the flags, starts this rank and calls train()."""
-    return run(train, HYPERPARAMETERS, __doc__, sys.argv[1:] if argv is None else argv)
+    return run(train, HYPERPARAMETERS, PRESETS, __doc__, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """
 The command line: flags and their checks, and the run that starts from them, kept out of chat_rl.py's reading line.
 
-chat_rl.HYPERPARAMETERS maps each name to (default, demo value, help). A run starts from the
-default column, or the demo column with --preset=demo, and command-line flags win over both:
+chat_rl.HYPERPARAMETERS maps each name to (default, help), and chat_rl.PRESETS names a few runs by
+their changes to the defaults. A run starts from the defaults, with a preset's changes over them
+(--preset=demo), and command-line flags win over both:
 --name=value and --name value both work, as in every argparse script; a bare --name sets a
 boolean. Every impossible or nonsensical combination is refused with a one-line reason
 (ConfigError) before any process group, model or data is touched.
@@ -24,9 +25,6 @@ from policy import lora
 from tasks import generic
 from tasks.common import get_task
 
-PRESETS = ("demo",)  # the second column of chat_rl.HYPERPARAMETERS
-
-
 class RunError(Exception):
     """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite.
     every_rank: every rank stops for this same reason (a bad flag, a verdict on summed figures), so rank 0 says it."""
@@ -43,15 +41,17 @@ class ConfigError(RunError):
         super().__init__(message, every_rank=True)
 
 
-def run(train, hyperparameters, doc, argv):
+def run(train, hyperparameters, presets, doc, argv):
     """The command line: flags over hyperparameters, checked for world size ranks before any process group, model or
     data; then this rank's process group and device, and train(cfg, rank, world, device). A RunError is said in one
     line on stderr (once, by rank 0, when every rank has it) and returns 1, 2 for a ConfigError; anything else is a
     bug and keeps its traceback."""
     try:
-        cfg = parse_config(argv, hyperparameters, doc)
+        cfg = parse_config(argv, hyperparameters, presets, doc)
         check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         rank, world, device = setup_distributed(cfg.device_type, cfg.fsdp)
+        if (note := preset_note(cfg, presets)) and rank == 0:
+            print(note)
         return train(cfg, rank, world, device)
     except RunError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
@@ -64,11 +64,12 @@ def run(train, hyperparameters, doc, argv):
             torch.distributed.destroy_process_group()
 
 
-def parse_config(argv, hyperparameters, doc=""):
-    """Flags over the chosen column of hyperparameters; unknown names and bad values raise ConfigError."""
+def parse_config(argv, hyperparameters, presets=None, doc=""):
+    """Flags over a preset's values over the defaults; unknown names and bad values raise ConfigError."""
+    presets = presets or {}
     if "--help" in argv or "-h" in argv:
         try:
-            print_help(hyperparameters, doc)
+            print_help(hyperparameters, presets, doc)
             sys.stdout.flush()
         except BrokenPipeError:  # `--help | head` closed the pipe: what it read is all that was wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
@@ -96,13 +97,27 @@ def parse_config(argv, hyperparameters, doc=""):
     if "data" in flags and "task" not in flags:
         flags["task"] = "data"  # your own rows, without naming a task: the generic one
     preset = flags.pop("preset", "")
-    if preset and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    column = 1 if preset == "demo" else 0
-    return SimpleNamespace(preset=preset, **{**{k: v[column] for k, v in hyperparameters.items()}, **flags})
+    if preset and preset not in presets:
+        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(presets)})")
+    defaults = {name: default for name, (default, _) in hyperparameters.items()}
+    return SimpleNamespace(preset=preset, **{**defaults, **presets.get(preset, {}), **flags})
 
 
 _BOOLS = ("true", "false", "1", "0")
+
+
+def preset_note(cfg, presets):
+    """One line when a preset's model is replaced: its learning rate, budget and eval were chosen for that model."""
+    tuned_for = presets.get(cfg.preset, {}).get("model")
+    if not tuned_for or cfg.model == tuned_for:
+        return ""
+    preset = presets[cfg.preset]
+    kept = [f"--{name.replace('_', '-')}={value}" for name, value in preset.items()
+            if name in ("lr", "lora_lr", "max_new_tokens", "eval_examples", "eval_samples") and getattr(cfg, name) == value]
+    if not kept:
+        return ""
+    return (f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; with --model={cfg.model} it "
+            f"still sets {' '.join(kept)}: give your model's own values (README, \"A real model on a laptop\")")
 
 
 def _convert(name, value, default):
@@ -116,13 +131,16 @@ def _convert(name, value, default):
         raise ConfigError(f"--{name.replace('_', '-')}={value!r}: expected {type(default).__name__}") from None
 
 
-def print_help(hyperparameters, doc):
+def print_help(hyperparameters, presets, doc):
     print(doc.strip().split("\n")[0])  # the docstring's summary line: one whole sentence (a test holds it so)
-    print("\nusage: python -m chat_rl [--preset=demo] [--name=value | --name value ...]\n")
+    print(f"\nusage: python -m chat_rl [--preset={'|'.join(presets)}] [--name=value | --name value ...]\n")
     width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
-    print(f"  {'flag':<{width}} {'default':<28} {'--preset=demo':<14} meaning")
-    for name, (default, demo, help) in hyperparameters.items():
-        print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {demo!r:<14} {help}")
+    print(f"  {'flag':<{width}} {'default':<28} meaning")
+    for name, (default, help) in hyperparameters.items():
+        print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {help}")
+        for preset, values in presets.items():
+            if name in values:
+                print(f"  {'':<{width}} {values[name]!r:<28} with --preset={preset}")
 
 
 def check_config(cfg, world_size):

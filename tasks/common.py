@@ -27,7 +27,7 @@ import urllib.request
 
 HUB_TIMEOUT_S = 3.0  # how long a data loader waits for the hub before it reads the local cache only
 
-TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith"}
+TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith", "mental": "tasks.mental"}
 
 
 INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_ok")

@@ -92,16 +92,16 @@ def test_a_model_path_that_is_no_model_folder_says_what_to_give_instead(tmp_path
                 str(run_dir): f"is a run's folder: its checkpoints are its step_* folders, the latest {run_dir / 'step_000150'}",
                 str(plain_dir): "holds no config.json: not a Hugging Face model folder"}
     for model, reason in expected.items():
-        cfg = flags.parse_config(["--preset=demo", f"--model={model}"], chat_rl.HYPERPARAMETERS)
+        cfg = flags.parse_config(["--preset=demo", f"--model={model}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
         with pytest.raises(flags.ConfigError, match=re.escape(reason)):
             flags.check_config(cfg, world_size=1)
 
 
 def test_examples_per_step_must_divide_among_ranks():
-    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks: use a multiple of 2, e.g. 2, 4$"):
         flags.check_config(cfg, world_size=2)
-    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=1"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=1"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     with pytest.raises(flags.ConfigError, match="e.g. 2$"):  # no 0 among the values it suggests
         flags.check_config(cfg, world_size=2)
 
@@ -130,7 +130,7 @@ def demo_args(model_dir, out_dir):
 
 
 def write_checkpoint(argv, model_dir):
-    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     model = GPT.from_pretrained(model_dir)
     opt = torch.optim.AdamW(model.parameters())
     checkpoint.save(cfg, 1, model, ByteTokenizer(), opt, rank=0, world=1)
@@ -162,15 +162,35 @@ def test_an_existing_run_is_not_overwritten_without_resume(capsys, no_model_load
 
 def test_flags_take_their_value_after_an_equals_sign_or_a_space():
     cfg = flags.parse_config(["--lr", "1e-3", "--eval-every", "-1", "--resume", "--num-samples=8", "--wandb", "proj"],
-                             chat_rl.HYPERPARAMETERS)
+                             chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     assert (cfg.lr, cfg.eval_every, cfg.resume, cfg.num_samples, cfg.wandb) == (1e-3, -1, True, 8, "proj")
-    assert flags.parse_config(["--resume", "false"], chat_rl.HYPERPARAMETERS).resume is False
+    assert flags.parse_config(["--resume", "false"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS).resume is False
 
 
-def test_the_demo_preset_takes_the_demo_column_and_flags_still_win():
-    cfg = flags.parse_config(["--preset", "demo", "--lr=1e-3"], chat_rl.HYPERPARAMETERS)
-    demo = {name: values[1] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    assert cfg.lr == 1e-3 and cfg.task == "arith" and vars(cfg) == {**demo, "lr": 1e-3, "preset": "demo"}
+def test_a_preset_changes_the_defaults_and_flags_still_win():
+    cfg = flags.parse_config(["--preset", "demo", "--lr=1e-3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    defaults = {name: default for name, (default, _) in chat_rl.HYPERPARAMETERS.items()}
+    expected = {**defaults, **chat_rl.PRESETS["demo"], "lr": 1e-3, "preset": "demo"}
+    assert cfg.lr == 1e-3 and cfg.task == "arith" and cfg.num_samples == 16 and vars(cfg) == expected
+
+
+def test_every_preset_names_only_real_flags_with_values_of_their_type():
+    for preset, values in chat_rl.PRESETS.items():
+        for name, value in values.items():
+            assert name in chat_rl.HYPERPARAMETERS, f"--preset={preset} sets unknown {name}"
+            assert type(value) is type(chat_rl.HYPERPARAMETERS[name][0]), f"--preset={preset}: {name}={value!r}"
+
+
+def test_a_preset_given_another_model_says_so_in_one_line(capsys, tmp_path):
+    cfg = flags.parse_config(["--preset=demo", "--model=some/model"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    note = flags.preset_note(cfg, chat_rl.PRESETS)
+    assert "--preset=demo was chosen for --model=demo_model" in note and "--lr=0.0003" in note
+    assert "\n" not in note
+    own = flags.parse_config(["--preset=demo", "--model=m/m", "--lr=1e-5", "--max-new-tokens=96", "--eval-examples=9",
+                              "--eval-samples=2", "--lora-lr=1e-4"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    assert flags.preset_note(own, chat_rl.PRESETS) == ""  # every tuned value given: nothing to warn about
+    plain = flags.parse_config(["--preset=demo"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    assert flags.preset_note(plain, chat_rl.PRESETS) == ""
 
 
 def test_help_lists_every_flag(capsys):
@@ -179,8 +199,10 @@ def test_help_lists_every_flag(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert all(f"--{name.replace('_', '-')}" in out for name in chat_rl.HYPERPARAMETERS)
-    lr_line = next(line for line in out.splitlines() if line.strip().startswith("--lr "))
-    assert "3e-06" in lr_line and "0.0003" in lr_line  # the default and the --preset=demo value, side by side
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("--lr "))
+    assert "3e-06" in lines[at]  # the default, then each preset's value on the lines below
+    assert "0.0003" in lines[at + 1] and "--preset=demo" in lines[at + 1]
 
 
 def test_help_opens_with_one_whole_sentence(capsys):
@@ -208,7 +230,7 @@ def test_the_model_is_checked_before_the_out_dir(capsys, no_model_loading, tmp_p
 
 def test_an_org_slash_name_with_no_folder_org_here_is_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     flags.check_config(cfg, world_size=1)  # not refused: it is downloaded when the model loads
 
 

@@ -323,6 +323,6 @@ def test_a_sharded_checkpoint_without_its_optimizer_shards_is_refused_in_one_lin
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(runs["fsdp"]), str(out)], check=True)
     os.remove(out / "step_000004" / "optimizer" / ".metadata")  # as if only the weights had been copied over
-    cfg = flags.parse_config([*ARGS, f"--out-dir={out}", "--fsdp", "--resume"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config([*ARGS, f"--out-dir={out}", "--fsdp", "--resume"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     with pytest.raises(flags.ConfigError, match="optimizer/ folder of per-rank shards .* is missing"):
         checkpoint.find_resumable(cfg, 2)

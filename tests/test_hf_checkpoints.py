@@ -430,7 +430,7 @@ def test_checkpoint_files_are_written_with_the_users_umask(tmp_path, umask):
     import stat
     model = GPT(GPTConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1))
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     old = os.umask(umask)
     try:
         checkpoint.save(cfg, 1, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)

@@ -208,7 +208,7 @@ def test_two_ranks_sum_to_one_process_over_every_row(loss_norm, two_rank_grads):
 
 # ---- the flag and the checkpoints of its earlier name
 def test_the_earlier_name_token_is_refused_with_its_new_one():
-    cfg = flags.parse_config(["--preset=demo", "--loss-norm=token"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", "--loss-norm=token"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     with pytest.raises(flags.ConfigError, match="--loss-norm=token is now kept_tokens"):
         flags.check_config(cfg, world_size=1)
 
@@ -216,10 +216,10 @@ def test_the_earlier_name_token_is_refused_with_its_new_one():
 def test_a_checkpoint_saved_with_token_resumes_as_kept_tokens(tmp_path):
     folder = tmp_path / "step_000003"
     small_model().save_pretrained(str(folder))
-    old = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS)
+    old = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     config = {**vars(old), "loss_norm": "token"}
     torch.save({"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": config}, folder / "trainer_state.pt")
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}", "--loss-norm=kept_tokens"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}", "--loss-norm=kept_tokens"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     assert checkpoint.find_resumable(cfg, world=1)[0] == 3
     cfg.loss_norm = "all_tokens"
     with pytest.raises(flags.ConfigError, match=r"loss_norm \('kept_tokens' -> 'all_tokens'\)"):

@@ -38,7 +38,7 @@ def test_a_resumed_log_remembers_its_last_eval(tmp_path):
 
 def test_each_checkpoint_written_is_announced(tmp_path, capsys):
     model = GPT(GPTConfig(**TINY))
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     checkpoint.save(cfg, 7, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)
     assert capsys.readouterr().out == f"checkpoint: wrote {tmp_path}/step_000007\n"
 
@@ -93,7 +93,7 @@ def test_resume_with_nothing_to_resume_says_it_starts_from_step_0(tmp_path, caps
     argv = ["--preset=demo", f"--model={model_dir}", "--num-steps=1", "--examples-per-step=2", "--num-samples=2",
             "--max-new-tokens=4", "--eval-every=-1", "--resume"]
     assert chat_rl.main(argv + [f"--out-dir={tmp_path / 'typo'}"]) == 0
-    start = capsys.readouterr().out.splitlines()[0]
+    start = next(line for line in capsys.readouterr().out.splitlines() if not line.startswith("chat_rl: note:"))
     assert start.startswith("chat_rl: ") and start.endswith("steps=0->1 out=" + str(tmp_path / "typo") + " (--resume: no checkpoint there yet, so from step 0)")
 
 

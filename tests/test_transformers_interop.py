@@ -156,7 +156,7 @@ def test_readme_snippet_on_a_byte_tokenizer_checkpoint(tmp_path, capsys):
                                   num_attention_heads=4, num_key_value_heads=2)))
     with torch.no_grad():
         model.model.embed_tokens.weight[261:] = 0  # rows past the 261 tokens: never chosen (the engine masks them)
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"], chat_rl.HYPERPARAMETERS)
+    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path / 'run'}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     checkpoint.save(cfg, 300, model, ByteTokenizer(), torch.optim.AdamW(model.parameters()), rank=0, world=1)
     path = tmp_path / "run" / "step_000300"
     namespace, printed = run_readme_snippet(path, capsys)
