@@ -294,7 +294,8 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     every eval, so that evals compare. Returns (metrics, samples.jsonl's)."""
     mine, ids = problems[rank::world], range(rank, len(problems), world)  # ids: each problem its own stream
     # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
-    names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors"]
+    names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors",
+             "seq_len"]
     totals, samples, reward_errors = dict.fromkeys(names, 0.0), [], 0
     if mine:
         label = "eval" if rank == 0 else ""
@@ -307,6 +308,7 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
             for j in range(1, k + 1):
                 totals[f"pass@{j}"] += pass_at_k(k, correct, j)
         totals.update(greedy=sum(a >= 1 for a in greedy["answer"]), greedy_tool_use=sum(greedy["tool_use"]),
+                      seq_len=sum(out["tokens"]) / k,  # a sample's completion tokens: does RL make replies shorter?
                       **{name: sum(out[name]) / k for name in ("tool_use", "tool_calls", "tool_errors")})
         samples = [dict(question=task.prompt(mine[g]), reference=task.reference(mine[g]),
                         completion=out["completions"][g * k], reward=out["total"][g * k]) for g in range(min(3, len(mine)))]

@@ -76,3 +76,10 @@ def test_samples_carry_each_problems_own_reference_and_reward(problems):
     assert [s["question"] for s in samples] == [arith.prompt(p) for p in problems[:len(samples)]]
     assert all(s["reward"] == float(arith.grade(s["completion"], s["reference"])) for s in samples)
     assert [s["reward"] for s in samples] == [float(r > 0) for r in RIGHT[:len(samples)]]  # sample 0 is right iff any is
+
+
+def test_seq_len_is_the_mean_completion_length_of_the_temperature_1_samples(problems):
+    metrics, _, _ = evaluate(problems)
+    lengths = [len(f"work\n#### {int(arith.reference(p)) + (0 if s < right else 1)}") + 1  # + the stop token
+               for p, right in zip(problems, RIGHT) for s in range(K)]
+    assert metrics["seq_len"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
