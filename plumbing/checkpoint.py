@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from plumbing import fsdp
-from plumbing.distributed import is_sharded
+from plumbing.distributed import compute_dtype, is_sharded
 from plumbing.flags import ConfigError, RunError
 from policy import lora
 from policy.gpt import GPT
@@ -52,18 +52,20 @@ def load_policy(path, device):
         raise RunError(f"cannot load model {path!r}: {e}") from None
 
 
-def build_policy(cfg, state, device):
+def build_policy(cfg, state, device, dtype=None):
     """
     The run's (model, tokenizer): --model, or the checkpoint a resumed run continues. --model may be a PEFT LoRA
     folder (adapter_config.json): its base with the adapter, merged in for full fine-tuning, trained on with
-    --lora-rank. With --lora-rank > 0 the base is frozen (bf16 on CUDA, fp32 elsewhere) and the adapters train
-    (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the checkpoint.
+    --lora-rank. With --lora-rank > 0 the base is frozen in dtype (None: distributed.compute_dtype, bf16 on CUDA,
+    fp32 elsewhere) and the adapters train (policy/lora.py); a resumed LoRA run reloads its base from --model and
+    its adapters from the checkpoint.
     """
     source = (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
     adapter = source if os.path.exists(os.path.join(source, "adapter_config.json")) else None
     base, rank, alpha, targets = lora.read_adapter_config(adapter) if adapter else (source, 0, 0, [])
     model, tokenizer = load_policy(base, device)
-    base_dtype = torch.bfloat16 if torch.device(device).type == "cuda" and cfg.lora_rank else None
+    dtype = dtype or compute_dtype(device)
+    base_dtype = dtype if cfg.lora_rank and dtype != torch.float32 else None
     if adapter:
         if cfg.lora_rank and cfg.lora_rank != rank:
             raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, --lora-rank={rank}; "

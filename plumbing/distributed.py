@@ -42,6 +42,13 @@ def setup_distributed(device_type, fsdp=False):
     return rank, world, device
 
 
+def compute_dtype(device):
+    """What the matmuls run in on `device`: bf16 on CUDA (the trained weights stay fp32 under autocast; --fsdp
+    gathers them in bf16; LoRA's frozen base is bf16), fp32 elsewhere, where bf16 is slow. The tests ask for
+    bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to run CUDA's configuration where CI runs."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def restart_count():
     """How many times torchrun (--max-restarts) has restarted this group; 0 for a first start."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
