@@ -115,8 +115,10 @@ class ChunkedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll):
         h, weight, targets, lse = ctx.saved_tensors
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the gradient
+        # matmuls write fp32; the gradients go back in their inputs' dtypes at the end
+        grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, h.size(0), ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
@@ -124,7 +126,8 @@ class ChunkedNLL(torch.autograd.Function):
             probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
             add_chunk_grads(probs, targets[rows], grad_nll[rows] / ctx.temperature, h[rows], weight,
                             None if grad_h is None else grad_h[rows], grad_w)
-        return grad_h, grad_w, None, None, None
+        return (None if grad_h is None else grad_h.to(h.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 
 
 def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):

@@ -1,0 +1,138 @@
+"""
+CUDA's precision configuration, run on the CPU, which has bf16 tensors, bf16 autocast and FSDP over gloo: fp32
+weights computing in bf16 under autocast, --fsdp gathering its weights in bf16 (plumbing/fsdp.prepare's policy),
+LoRA's frozen base in bf16 (plumbing/checkpoint.build_policy). chat_rl picks bf16 from the device
+(distributed.compute_dtype); these tests ask for it, and hold each path to the same step in fp32 within bf16's
+rounding. CPU autocast differs from CUDA's in one way that matters here: it runs view_as_complex in fp32, where
+CUDA's refuses a bf16 input, so the tests check the dtype RoPE's rotations arrive in themselves.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import chat_rl
+import test_fast_logprobs as fast_tests  # a module object, so pytest does not collect its tests twice
+from fast.logprobs import fast_logprobs, token_nll
+from plumbing import fsdp
+
+BF16 = torch.bfloat16
+T = fast_tests.T
+NUM_SAMPLES = fast_tests.NUM_SAMPLES
+FAMILY = "qwen2 (qkv bias, untied head)"
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def relative_error(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def any_loss_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
+    """fast_logprobs as a loss that is not linear in logp calls it: without loss_grad (ChunkedNLL's backward)."""
+    return fast_logprobs(model, inputs, targets, temperature, vocab_size=vocab_size)
+
+
+# each way the loss takes the log-probs: chat_rl's (told the loss's gradient), any loss's, and the plain one
+LOGPROBS = {"fast, told the loss": fast_logprobs, "fast, any loss": any_loss_logprobs, "plain": chat_rl.plain_logprobs}
+
+
+def record_rope_dtypes(model):
+    """The dtype of the RoPE rotations each decoder layer receives, after FSDP's pre-forward hook has run."""
+    seen = []
+    for block in model.model.layers:
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[1].dtype))
+    return seen
+
+
+# ---- --fsdp in bf16 on two ranks ----------------------------------------------------------------------
+def _fsdp_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    sequences, masks, advantages = fast_tests.rollouts(seed=10 + rank, num_groups=4 if rank == 0 else 2)
+    cpu, out = torch.device("cpu"), {}
+    for name, logprobs in LOGPROBS.items():
+        model = fsdp.prepare(fast_tests.model_for(FAMILY), cpu, fsdp=True, activation_checkpointing=False, dtype=BF16)
+        ropes = record_rope_dtypes(model)
+        # 3 passes on rank 0, 1 on rank 1: rank 1 runs 2 idle ones (fsdp.match_passes)
+        chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 4, "all_tokens", "cpu",
+                                         autocast=bf16_autocast(), temperature=T, logprobs=logprobs)
+        out[name] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        out[name, "rope"] = set(ropes)
+    # the supervised NLL (GPT.forward with targets, ChunkedNLL), each rank its own rows
+    model = fsdp.prepare(fast_tests.model_for(FAMILY), cpu, fsdp=True, activation_checkpointing=False, dtype=BF16)
+    inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
+    with bf16_autocast():
+        loss = model(inputs, targets)
+    loss.backward()
+    out["nll"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_bf16")
+    mp.start_processes(_fsdp_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn")
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+def both_ranks_rollouts():
+    parts = [fast_tests.rollouts(seed=10 + r, num_groups=4 if r == 0 else 2) for r in range(2)]
+    return parts[0][0] + parts[1][0], parts[0][1] + parts[1][1], torch.cat([parts[0][2], parts[1][2]])
+
+
+@pytest.mark.parametrize("logprobs", LOGPROBS)
+def test_fsdp_in_bf16_on_two_ranks_gives_one_process_gradient_in_bf16(fsdp_ranks, logprobs):
+    # the reference: one process over both ranks' rows, fp32 weights under bf16 autocast (a replicated CUDA run)
+    reference = fast_tests.model_for(FAMILY)
+    sequences, masks, advantages = both_ranks_rollouts()
+    chat_rl.policy_gradient_backward(reference, sequences, masks, advantages, NUM_SAMPLES, 4, "all_tokens", "cpu",
+                                     autocast=bf16_autocast(), temperature=T, logprobs=chat_rl.plain_logprobs)
+    for rank in range(2):
+        assert fsdp_ranks[rank][logprobs, "rope"] == {torch.float32}  # bf16 rotations: CUDA's view_as_complex refuses
+        for name, p in reference.named_parameters():
+            assert relative_error(fsdp_ranks[rank][logprobs][name], p.grad) <= 0.05, name
+
+
+def test_fsdp_in_bf16_takes_the_supervised_nll_gradient(fsdp_ranks):
+    sequences, masks, _ = both_ranks_rollouts()
+    reference = fast_tests.model_for(FAMILY)
+    for rank, (start, stop) in enumerate([(0, 4 * NUM_SAMPLES), (4 * NUM_SAMPLES, len(sequences))]):
+        inputs, targets = chat_rl.make_batch(sequences[start:stop], masks[start:stop], "cpu")
+        with bf16_autocast():
+            loss = reference(inputs, targets)
+        loss.backward()  # the sum over ranks of each rank's mean, as FSDP sums the ranks' gradients
+    for rank in range(2):
+        for name, p in reference.named_parameters():
+            assert relative_error(fsdp_ranks[rank]["nll"][name], p.grad) <= 0.05, name
+
+
+# ---- the chunked NLL's backward with bf16 inputs --------------------------------------------------------
+@pytest.mark.parametrize("head_trained", [True, False], ids=["head trained", "head frozen (LoRA's)"])
+def test_the_chunked_nll_backward_takes_bf16_hidden_states_and_head(head_trained):
+    # under --fsdp in bf16 the final norm's output and the gathered head are bf16; with LoRA's bf16 base, the same
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 16, generator=g).to(BF16).requires_grad_()
+    weight = torch.randn(40, 16, generator=g).to(BF16).requires_grad_(head_trained)
+    targets, scale = torch.randint(0, 40, (7,), generator=g), torch.randn(7, generator=g)
+    with bf16_autocast():
+        nll = token_nll(h, weight, targets, chunk=3, temperature=T)
+    (nll * scale).sum().backward()
+    # the same bf16 values in fp32, by autograd
+    h32, w32 = h.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    expected = F.cross_entropy(h32 @ w32.t() / T, targets, reduction="none")
+    (expected * scale).sum().backward()
+    assert nll.dtype == torch.float32 and relative_error(nll, expected.detach()) <= 0.02
+    assert h.grad.dtype == BF16 and relative_error(h.grad, h32.grad) <= 0.02
+    if head_trained:
+        assert weight.grad.dtype == BF16 and relative_error(weight.grad, w32.grad) <= 0.02
+    else:
+        assert weight.grad is None
