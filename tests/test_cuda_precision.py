@@ -8,17 +8,22 @@ CUDA's refuses a bf16 input, so the tests check the dtype RoPE's rotations arriv
 """
 
 import os
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import chat_rl
 import test_fast_logprobs as fast_tests  # a module object, so pytest does not collect its tests twice
 from fast.logprobs import fast_logprobs, token_nll
-from plumbing import fsdp
+from plumbing import checkpoint, fsdp
+from policy import lora
+from policy.tokenizer import ByteTokenizer
 
 BF16 = torch.bfloat16
 T = fast_tests.T
@@ -136,3 +141,87 @@ def test_the_chunked_nll_backward_takes_bf16_hidden_states_and_head(head_trained
         assert weight.grad.dtype == BF16 and relative_error(weight.grad, w32.grad) <= 0.02
     else:
         assert weight.grad is None
+
+
+# ---- LoRA on a bf16 base -----------------------------------------------------------------------------
+def lora_config(path, rank=2):
+    return SimpleNamespace(model=str(path), lora_rank=rank, lora_alpha=8.0, lora_targets="all-linear", seed=0)
+
+
+def base_folder(tmp_path):
+    """A folder chat_rl loads: the test model's weights in fp32 and a byte tokenizer."""
+    path = tmp_path / "base"
+    fast_tests.model_for(FAMILY).save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)
+    return path
+
+
+class OnGPU(torch.Tensor):
+    """
+    A pretend GPU for a test of memory: a CPU tensor that says it lives on another device ("meta", which needs no
+    driver), whose results stay on it unless moved to "cpu", and which counts the bytes made on it and alive at once.
+    A view adds no bytes; a tensor that leaves no Python reference is counted freed.
+    """
+
+    live = peak = 0
+
+    @staticmethod
+    def __new__(cls, data, counted=True):
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
+                                                device=torch.device("meta"), requires_grad=data.requires_grad)
+        t.data_on_cpu = data
+        if counted:
+            size = data.numel() * data.element_size()
+            OnGPU.live += size
+            OnGPU.peak = max(OnGPU.peak, OnGPU.live)
+            weakref.finalize(t, OnGPU.free, size)
+        return t
+
+    @staticmethod
+    def free(size):
+        OnGPU.live -= size
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        to_host = kwargs.get("device") == torch.device("cpu")
+        if "device" in kwargs:
+            kwargs["device"] = torch.device("cpu")
+        out = func(*tree_map(lambda x: x.data_on_cpu if isinstance(x, OnGPU) else x, args), **kwargs)
+        if to_host:
+            return out
+        view = any(r.alias_info is not None for r in func._schema.returns)
+        return tree_map(lambda x: OnGPU(x, counted=not view) if isinstance(x, torch.Tensor) else x, out)
+
+
+def on_pretend_gpu(model):
+    """The model's parameters moved onto OnGPU, a tied pair staying one tensor."""
+    moved = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:  # a Linear without bias
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(OnGPU(p.data), requires_grad=p.requires_grad)
+            module._parameters[name] = moved[id(p)]
+    return model
+
+
+def test_a_lora_checkpoint_moves_the_weights_to_the_cpu_one_tensor_at_a_time(tmp_path):
+    # the merged fp32 weights of a 7B model are 30 GB: built on the GPU beside the bf16 base they would not fit a
+    # 48 GB card; made tensor by tensor, the GPU holds one merged tensor (and one adapter product) at a time
+    model = checkpoint.build_policy(lora_config(base_folder(tmp_path)), None, "cpu", dtype=BF16)[0]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    expected = lora.merged_state_dict(model)
+    on_pretend_gpu(model)
+    before = OnGPU.peak = OnGPU.live
+    merged = lora.merged_state_dict(model)
+    largest = max(p.numel() for p in model.parameters()) * 4  # one tensor in fp32
+    whole = sum(p.numel() for name, p in model.named_parameters() if ".lora" not in name) * 4
+    assert OnGPU.peak - before <= 2 * largest, f"{OnGPU.peak - before} bytes on the GPU at once; one tensor in fp32 " \
+                                               f"is {largest}, the whole model {whole}"
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in merged.values())  # on the CPU
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in expected)
