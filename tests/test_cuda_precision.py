@@ -344,3 +344,40 @@ def test_decode_attention_keeps_its_scores_fp32_under_bf16_autocast():
         errors.append(relative_error(y[row], probs @ values))
     # the output's and the probabilities' bf16 rounding: 0.26-0.45% seen (with bf16 scores, 0.9-1.6%)
     assert max(errors) <= 0.006, errors
+
+
+# ---- the loss's attention mask ------------------------------------------------------------------------
+def test_the_shared_prefix_mask_is_made_once_in_bf16_and_kept_once_for_the_backward_pass():
+    # the loss's mask is (rows, 1, GQA group x own tokens, prefix + own tokens): at 16k tokens a micro-batch, hundreds
+    # of MB. Made in another dtype, autocast would cast it for each layer, and each layer would keep its copy for the
+    # backward pass; its rows 8 entries apart, CUDA's memory-efficient kernel takes it without padding a copy
+    sequences, masks, _ = fast_tests.rollouts(seed=2)  # 11 keys a row: 8 apart is not where they lie packed
+    inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
+    model = fast_tests.model_for(FAMILY)
+    masks_given, saved = [], []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            masks_given.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    F.scaled_dot_product_attention = spy
+    try:
+        with bf16_autocast(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            logp = fast_logprobs(model, inputs, targets, T)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert len(masks_given) == model.config.num_hidden_layers
+    assert len({m.data_ptr() for m in masks_given}) == 1 and masks_given[0].dtype == BF16
+    assert masks_given[0].size(-1) == 11 and all(stride % 8 == 0 for stride in masks_given[0].stride()[:-1])
+    kept = {t.data_ptr() for t in saved if t.shape == masks_given[0].shape}
+    assert kept == {masks_given[0].data_ptr()}, f"{len(kept)} masks kept for the backward pass"
+    # and the same log-probs as the plain path
+    with bf16_autocast():
+        plain = chat_rl.plain_logprobs(model, inputs, targets, T)
+    assert relative_error(logp, plain) <= 0.02
