@@ -24,7 +24,7 @@ import chat_rl
 import test_fast_logprobs as fast_tests  # a module object, so pytest does not collect its tests twice
 from fast.kv_cache import KVCache
 from fast.logprobs import fast_logprobs, token_nll
-from plumbing import checkpoint, fsdp
+from plumbing import checkpoint, fsdp, metrics
 from policy import lora
 from policy.tokenizer import ByteTokenizer
 
@@ -381,3 +381,20 @@ def test_the_shared_prefix_mask_is_made_once_in_bf16_and_kept_once_for_the_backw
     with bf16_autocast():
         plain = chat_rl.plain_logprobs(model, inputs, targets, T)
     assert relative_error(logp, plain) <= 0.02
+
+
+# ---- what a CUDA run reports -----------------------------------------------------------------------------
+def test_each_train_row_reports_its_own_steps_peak_memory(monkeypatch):
+    # CUDA's allocator, as far as peak_mem_gb reads it: a step that peaks at 5 GiB, then one that peaks at 2
+    allocator = {"now": 1.0, "peak": 1.0}
+
+    def allocate(gib):
+        allocator["peak"] = max(allocator["peak"], allocator["now"] + gib)
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocator["peak"] * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: allocator.update(peak=allocator["now"]))
+    cuda = torch.device("cuda", 0)
+    allocate(4.0)
+    first = metrics.peak_memory_gb(cuda)
+    allocate(1.0)
+    assert (first, metrics.peak_memory_gb(cuda)) == (5.0, 2.0)
