@@ -7,6 +7,7 @@ rounding. CPU autocast differs from CUDA's in one way that matters here: it runs
 CUDA's refuses a bf16 input, so the tests check the dtype RoPE's rotations arrive in themselves.
 """
 
+import datetime
 import os
 import weakref
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ import chat_rl
 import test_fast_logprobs as fast_tests  # a module object, so pytest does not collect its tests twice
 from fast.kv_cache import KVCache
 from fast.logprobs import fast_logprobs, token_nll
-from plumbing import checkpoint, fsdp, metrics
+from plumbing import checkpoint, distributed, fsdp, metrics
 from policy import lora
 from policy.tokenizer import ByteTokenizer
 
@@ -398,3 +399,24 @@ def test_each_train_row_reports_its_own_steps_peak_memory(monkeypatch):
     first = metrics.peak_memory_gb(cuda)
     allocate(1.0)
     assert (first, metrics.peak_memory_gb(cuda)) == (5.0, 2.0)
+
+
+@pytest.mark.parametrize("device_type, fsdp", [("cuda", False), ("cpu", False), ("cuda", True)],
+                         ids=["torchrun, GPUs", "torchrun, CPUs", "one GPU, --fsdp"])
+def test_the_process_group_waits_out_a_large_checkpoint_and_knows_its_gpu(monkeypatch, device_type, fsdp):
+    # while rank 0 writes a checkpoint the others wait in a collective: NCCL's default 10 minutes is too short for a
+    # 7B run's 91 GB on a slow disk; and an NCCL group should know its rank's GPU rather than guess it
+    groups = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: groups.append(kwargs))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "rendezvous", lambda url: iter([(dist.HashStore(), 1, 2)]))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    ranks = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"} if fsdp else {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    for name, value in {**ranks, "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    rank, world, device = distributed.setup_distributed(device_type, fsdp=fsdp)
+    [group] = groups
+    assert group["timeout"] >= datetime.timedelta(hours=1)
+    assert group["backend"] == ("nccl" if device_type == "cuda" else "gloo")
+    assert group["device_id"] == (device if device_type == "cuda" else None)
+    assert device == (torch.device("cuda", 0 if fsdp else 1) if device_type == "cuda" else torch.device("cpu"))
