@@ -94,13 +94,16 @@ class KVCache:
         g = H // Hkv
         own_k, own_v = self.write_own(layer, k, v)  # (B, Hkv, slots, D)
         slots = own_k.size(2)
-        # the scores in fp32, as the training pass's attention kernel keeps them: in bf16 (autocast's) a score of 20
-        # is off by up to 0.06, and so is each probability, relatively; q and the keys are upcast, outside autocast
-        q = q.view(B, Hkv, g, D).float() * D ** -0.5  # contiguous: a view as (B * Hkv, g, D) batches the own matmuls
+        # the scores in fp32, as the training pass's attention kernel keeps them: in bf16
+        # (autocast's) a score of 20 is off by up to 0.06, and so is each probability, relatively; q
+        # and the keys are upcast, outside autocast
+        # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
+        q = q.view(B, Hkv, g, D).float() * D ** -0.5
         with torch.autocast(q.device.type, enabled=False):
-            # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the own slots read are
-            # all written, so they need no mask
-            prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].float().transpose(1, 2))
+            # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the
+            # own slots read are all written, so they need no mask
+            prompt_k = self.prompt_k[layer].float().transpose(1, 2)
+            prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), prompt_k)
             own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).float().transpose(1, 2))
         # one softmax over prompt and own keys; the cat also brings the prompt part back to rows
         scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)], dim=-1)

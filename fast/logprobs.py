@@ -115,10 +115,10 @@ class ChunkedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll):
         h, weight, targets, lse = ctx.saved_tensors
-        # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the gradient
-        # matmuls write fp32; the gradients go back in their inputs' dtypes at the end
+        # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the
+        # gradient matmuls write fp32; the gradients go back in their inputs' dtypes at the end
         grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = torch.zeros(weight.shape, device=h.device) if ctx.needs_input_grad[1] else None
         for s in range(0, h.size(0), ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
@@ -261,20 +261,23 @@ class SharedPrefix:
         self.key_index = torch.cat([prefix_index.flatten(), torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten()])
         self.output_index = torch.cat([self.prefix_slots, self.G * self.P + self.own_slots])  # each flat token's slot
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
-        self.sees = torch.cat([self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P),
-                               causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
+        sees_prefix = self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P)
+        sees_own = causal.expand(self.B, self.T, self.T)
+        self.sees = torch.cat([sees_prefix, sees_own], dim=-1)[:, None]  # (B, 1, T, P + T)
         self.mask = None  # the additive mask attention reads, made by the first layer (folded_mask)
 
     def folded_mask(self, g, dtype):
         """
-        The additive mask (B, 1, g * T, P + T), 0 where a query sees a key, -inf elsewhere: row j * T + t is query t of
-        head j of a GQA group. In dtype, attention's (bf16 under autocast): a mask in another, autocast would cast it
-        in each layer, and each layer would keep its copy for the backward pass (it is hundreds of MB at 16k tokens).
-        Its rows lie a multiple of 8 entries apart in memory, or CUDA's memory-efficient kernel pads a copy each layer.
+        The additive mask (B, 1, g * T, P + T), 0 where a query sees a key, -inf elsewhere; row
+        j * T + t is query t of head j of a GQA group. In dtype, attention's (bf16 under autocast):
+        a mask in another, autocast would cast it in each layer, and each layer would keep its copy
+        for the backward pass (it is hundreds of MB at 16k tokens). Its rows lie a multiple of 8
+        entries apart in memory, or CUDA's memory-efficient kernel pads a copy in each layer.
         """
-        width = -(-(self.P + self.T) // 8) * 8
-        mask = torch.zeros(self.B, 1, g * self.T, width, dtype=dtype, device=self.sees.device)[..., :self.P + self.T]
-        return mask.masked_fill_(~self.sees.repeat(1, 1, g, 1), float("-inf"))
+        keys = self.P + self.T
+        width = -(-keys // 8) * 8
+        rows = torch.zeros(self.B, 1, g * self.T, width, dtype=dtype, device=self.sees.device)
+        return rows[..., :keys].masked_fill_(~self.sees.repeat(1, 1, g, 1), float("-inf"))
 
     def pack(self, prefix_ids, idx):
         """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
@@ -312,6 +315,7 @@ class SharedPrefix:
         if self.mask is None:  # the same for every layer: made once
             self.mask = self.folded_mask(g, q.dtype)
         y_rows = F.scaled_dot_product_attention(slots(q_rows, B, T).reshape(B, Hkv, g * T, D), slots(k_rows, B, P + T),
-                                                slots(v_rows, B, P + T), attn_mask=self.mask).reshape(B, H, T, D)
+                                                slots(v_rows, B, P + T), attn_mask=self.mask)
+        y_rows = y_rows.reshape(B, H, T, D)
         y = torch.cat([y_prefix.transpose(1, 2).reshape(G * P, H, D), y_rows.transpose(1, 2).reshape(B * T, H, D)])
         return y.index_select(0, self.output_index)[None].transpose(1, 2)

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 
-# How long a rank waits in a collective before the run fails. The longest wait is a checkpoint: the other ranks wait
-# while rank 0 writes and syncs it to disk, 91 GB for the largest run the README names (7B under --fsdp: 30 GB of
-# weights, 61 GB of AdamW moments), an hour at 26 MB/s; NCCL's default of 10 minutes would end that run at its first
-# save. A rank that hangs for good is found as late.
+# How long a rank waits in a collective before the run fails. The longest wait is a checkpoint: the
+# other ranks wait while rank 0 writes and syncs it to disk, 91 GB for the largest run the README
+# names (7B under --fsdp: 30 GB of weights, 61 GB of AdamW moments), an hour at 26 MB/s; NCCL's
+# default of 10 minutes would end that run at its first save. A rank that hangs for good is found as
+# late.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=1)
 
 
@@ -49,17 +50,20 @@ def setup_distributed(device_type, fsdp=False):
 
 
 def init_process_group(device, store, rank, world):
-    """nccl on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, and a barrier knows its GPU instead
-    of guessing it from the rank), gloo elsewhere; collectives wait up to COLLECTIVE_TIMEOUT."""
+    """nccl on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, and a barrier knows
+    its GPU instead of guessing it from the rank), gloo elsewhere; collectives wait up to
+    COLLECTIVE_TIMEOUT."""
     cuda = device.type == "cuda"
-    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=device if cuda else None)
 
 
 def compute_dtype(device):
-    """What the matmuls run in on `device`: bf16 on CUDA (the trained weights stay fp32 under autocast; --fsdp
-    gathers them in bf16; LoRA's frozen base is bf16), fp32 elsewhere, where bf16 is slow. The tests ask for
-    bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to run CUDA's configuration where CI runs."""
+    """What the matmuls run in on `device`: bf16 on CUDA (the trained weights stay fp32 under
+    autocast; --fsdp gathers them in bf16; LoRA's frozen base is bf16), fp32 elsewhere, where bf16
+    is slow. The tests ask for bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to run
+    CUDA's configuration where CI runs."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 

@@ -53,12 +53,15 @@ def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
     if not fsdp:
         return model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # fp32 shards (AdamW's master copy); on CUDA bf16 all-gathers and compute, fp32 gradient sums. A layer's
-    # inputs are not cast to bf16 (cast_forward_inputs): RoPE's rotations must stay fp32 (CUDA's view_as_complex
-    # refuses bf16, and bf16 cos/sin would blur positions); the weights are bf16 and autocast casts the rest
+    # fp32 shards (AdamW's master copy); on CUDA bf16 all-gathers and compute, fp32 gradient sums. A
+    # layer's inputs are not cast to bf16 (cast_forward_inputs): RoPE's rotations must stay fp32
+    # (CUDA's view_as_complex refuses bf16, and bf16 cos/sin would blur positions); the weights are
+    # bf16 and autocast casts the rest
     dtype = dtype or compute_dtype(device)
-    policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-              if dtype != torch.float32 else MixedPrecisionPolicy())
+    policy = MixedPrecisionPolicy()
+    if dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     # the root holds what is left (embeddings, final norm, head: the tied head shares embed_tokens' shard);

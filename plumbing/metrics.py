@@ -35,9 +35,9 @@ def step_metrics(step, out, t_rollout, device, world, **values):
 
 
 def peak_memory_gb(device):
-    """The most CUDA memory allocated since the last call (the first: since the run started), in GiB; then the count
-    starts again. Each train row so shows its own step's peak (with the eval or checkpoint since the row before),
-    not the run's peak so far."""
+    """The most CUDA memory allocated since the last call (the first: since the run started), in
+    GiB; then the count starts again. Each train row so shows its own step's peak (with the eval or
+    checkpoint since the row before), not the run's peak so far."""
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     torch.cuda.reset_peak_memory_stats(device)
     return peak

@@ -338,10 +338,10 @@ class GPT(nn.Module):
         A Hugging Face checkpoint of the Llama / Qwen2 / Qwen3 family: a hub id
         ("Qwen/Qwen2.5-0.5B-Instruct") or a local folder with config.json + safetensors (one file,
         or shards listed in model.safetensors.index.json). dtype=None keeps the stored dtype;
-        keep_fp32 names tensors read in fp32 whatever dtype says (a LoRA run's modules trained whole;
-        a tied head is its embeddings). The model is built on the meta device (no random init, no
-        memory) and each tensor is read from the file on its own, converted, and put in place: the
-        peak is the model plus one tensor.
+        keep_fp32 names tensors read in fp32 whatever dtype says (a LoRA run's modules trained
+        whole; a tied head is its embeddings). The model is built on the meta device (no random
+        init, no memory) and each tensor is read from the file on its own, converted, and put in
+        place: the peak is the model plus one tensor.
         """
         path = resolve_folder(name_or_dir)
         config = config_from_hf(read_json(os.path.join(path, "config.json")))
