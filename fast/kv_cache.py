@@ -94,14 +94,20 @@ class KVCache:
         g = H // Hkv
         own_k, own_v = self.write_own(layer, k, v)  # (B, Hkv, slots, D)
         slots = own_k.size(2)
-        q = q.view(B, Hkv, g, D) * D ** -0.5  # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
-        # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the own slots read are all
-        # written, so they need no mask
-        prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), self.prompt_k[layer].transpose(1, 2))
-        own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
-        # one softmax over prompt and own keys, in fp32 under autocast; the cat also brings the prompt part back to rows
+        # the scores in fp32, as the training pass's attention kernel keeps them: in bf16
+        # (autocast's) a score of 20 is off by up to 0.06, and so is each probability, relatively; q
+        # and the keys are upcast, outside autocast
+        # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
+        q = q.view(B, Hkv, g, D).float() * D ** -0.5
+        with torch.autocast(q.device.type, enabled=False):
+            # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the
+            # own slots read are all written, so they need no mask
+            prompt_k = self.prompt_k[layer].float().transpose(1, 2)
+            prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), prompt_k)
+            own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).float().transpose(1, 2))
+        # one softmax over prompt and own keys; the cat also brings the prompt part back to rows
         scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)], dim=-1)
-        probs = scores.float().softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)
+        probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)
         prompt_probs, own_probs = probs.split([probs.size(-1) - slots, slots], dim=-1)
         prompt_y = self._from_grid(torch.bmm(self._to_grid(prompt_probs), self.prompt_v[layer]))
         y = torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(*self.rows_shape, Hkv, g, D) + prompt_y

@@ -115,8 +115,10 @@ class ChunkedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll):
         h, weight, targets, lse = ctx.saved_tensors
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the
+        # gradient matmuls write fp32; the gradients go back in their inputs' dtypes at the end
+        grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=h.device) if ctx.needs_input_grad[1] else None
         for s in range(0, h.size(0), ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             with torch.autocast(**ctx.autocast):
@@ -124,7 +126,8 @@ class ChunkedNLL(torch.autograd.Function):
             probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
             add_chunk_grads(probs, targets[rows], grad_nll[rows] / ctx.temperature, h[rows], weight,
                             None if grad_h is None else grad_h[rows], grad_w)
-        return grad_h, grad_w, None, None, None
+        return (None if grad_h is None else grad_h.to(h.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 
 
 def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):
@@ -258,10 +261,23 @@ class SharedPrefix:
         self.key_index = torch.cat([prefix_index.flatten(), torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten()])
         self.output_index = torch.cat([self.prefix_slots, self.G * self.P + self.own_slots])  # each flat token's slot
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
-        sees = torch.cat([self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P),
-                          causal.expand(self.B, self.T, self.T)], dim=-1)[:, None]  # (B, 1, T, P + T)
-        self.mask = torch.zeros(sees.shape, device=device).masked_fill_(~sees, float("-inf"))  # additive: built once
-        self.folded_mask = None  # the mask with GQA's query heads folded into time (attend)
+        sees_prefix = self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P)
+        sees_own = causal.expand(self.B, self.T, self.T)
+        self.sees = torch.cat([sees_prefix, sees_own], dim=-1)[:, None]  # (B, 1, T, P + T)
+        self.mask = None  # the additive mask attention reads, made by the first layer (folded_mask)
+
+    def folded_mask(self, g, dtype):
+        """
+        The additive mask (B, 1, g * T, P + T), 0 where a query sees a key, -inf elsewhere; row
+        j * T + t is query t of head j of a GQA group. In dtype, attention's (bf16 under autocast):
+        a mask in another, autocast would cast it in each layer, and each layer would keep its copy
+        for the backward pass (it is hundreds of MB at 16k tokens). Its rows lie a multiple of 8
+        entries apart in memory, or CUDA's memory-efficient kernel pads a copy in each layer.
+        """
+        keys = self.P + self.T
+        width = -(-keys // 8) * 8
+        rows = torch.zeros(self.B, 1, g * self.T, width, dtype=dtype, device=self.sees.device)
+        return rows[..., :keys].masked_fill_(~self.sees.repeat(1, 1, g, 1), float("-inf"))
 
     def pack(self, prefix_ids, idx):
         """The flat sequence (1, N) of token ids: the prefixes' real tokens, then the rows' own."""
@@ -296,9 +312,10 @@ class SharedPrefix:
                                                   is_causal=True, enable_gqa=Hkv != H)
         # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
         g = H // Hkv
-        if self.folded_mask is None:  # the same for every layer: built once
-            self.folded_mask = self.mask.repeat(1, 1, g, 1) if g > 1 else self.mask
+        if self.mask is None:  # the same for every layer: made once
+            self.mask = self.folded_mask(g, q.dtype)
         y_rows = F.scaled_dot_product_attention(slots(q_rows, B, T).reshape(B, Hkv, g * T, D), slots(k_rows, B, P + T),
-                                                slots(v_rows, B, P + T), attn_mask=self.folded_mask).reshape(B, H, T, D)
+                                                slots(v_rows, B, P + T), attn_mask=self.mask)
+        y_rows = y_rows.reshape(B, H, T, D)
         y = torch.cat([y_prefix.transpose(1, 2).reshape(G * P, H, D), y_rows.transpose(1, 2).reshape(B * T, H, D)])
         return y.index_select(0, self.output_index)[None].transpose(1, 2)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from plumbing import fsdp
-from plumbing.distributed import is_sharded
+from plumbing.distributed import compute_dtype, is_sharded
 from plumbing.flags import ConfigError, RunError
 from policy import lora
 from policy.gpt import GPT
@@ -39,35 +39,46 @@ MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above plumbing/
 
 
-def load_policy(path, device):
-    """(model, tokenizer) from a Hugging Face folder or hub id; "demo_model" is the folder shipped here."""
+def load_policy(path, device, dtype=torch.float32, keep_fp32=()):
+    """(model, tokenizer) from a Hugging Face folder or hub id; "demo_model" is the folder shipped
+    here. The weights in dtype (a LoRA run's frozen base: bf16 on CUDA), those named in keep_fp32 in
+    fp32 (GPT.from_pretrained)."""
     if path == "demo_model":
         path = os.path.join(REPO, "demo_model")
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
                            f"or rebuild it with `python -m scripts.make_demo_model` (about 20 minutes)")
-    try:  # weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
-        return GPT.from_pretrained(path, device=device), load_tokenizer(path)
+    try:  # trained weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
+        model = GPT.from_pretrained(path, device=device, dtype=dtype, keep_fp32=keep_fp32)
+        return model, load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise RunError(f"cannot load model {path!r}: {e}") from None
 
 
-def build_policy(cfg, state, device):
+def build_policy(cfg, state, device, dtype=None):
     """
-    The run's (model, tokenizer): --model, or the checkpoint a resumed run continues. --model may be a PEFT LoRA
-    folder (adapter_config.json): its base with the adapter, merged in for full fine-tuning, trained on with
-    --lora-rank. With --lora-rank > 0 the base is frozen (bf16 on CUDA, fp32 elsewhere) and the adapters train
-    (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the checkpoint.
+    The run's (model, tokenizer): --model, or the checkpoint a resumed run continues. --model may be
+    a PEFT LoRA folder (adapter_config.json): its base with the adapter, merged in for full
+    fine-tuning, trained on with --lora-rank. With --lora-rank > 0 the base is frozen in dtype
+    (None: distributed.compute_dtype, bf16 on CUDA, fp32 elsewhere) and the adapters train
+    (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the
+    checkpoint.
     """
     source = (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
     adapter = source if os.path.exists(os.path.join(source, "adapter_config.json")) else None
     base, rank, alpha, targets = lora.read_adapter_config(adapter) if adapter else (source, 0, 0, [])
-    model, tokenizer = load_policy(base, device)
-    base_dtype = torch.bfloat16 if torch.device(device).type == "cuda" and cfg.lora_rank else None
+    if adapter and cfg.lora_rank and cfg.lora_rank != rank:
+        raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, "
+                          f"--lora-rank={rank}; --lora-rank=0 trains its merged model fully")
+    if cfg.lora_rank and not adapter:
+        targets = lora.parse_targets(cfg.lora_targets)
+    dtype = dtype or compute_dtype(device)
+    base_dtype = dtype if cfg.lora_rank and dtype != torch.float32 else None
+    # a frozen base is read in its dtype straight from the file (read in fp32 first, a 7B base would
+    # take 30 GB of the GPU before its cast to 15); the modules a LoRA run trains whole stay fp32
+    whole = [lora.WHOLE[name] for name in targets if name in lora.WHOLE] if base_dtype else []
+    model, tokenizer = load_policy(base, device, dtype=base_dtype or torch.float32, keep_fp32=whole)
     if adapter:
-        if cfg.lora_rank and cfg.lora_rank != rank:
-            raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, --lora-rank={rank}; "
-                              f"--lora-rank=0 trains its merged model fully")
         lora.add_adapters(model, rank, alpha, targets, base_dtype=base_dtype)
         try:
             lora.load_adapter(model, adapter)
@@ -76,7 +87,7 @@ def build_policy(cfg, state, device):
         if not cfg.lora_rank:
             lora.merge_adapters(model)
     elif cfg.lora_rank:
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, lora.parse_targets(cfg.lora_targets), seed=cfg.seed,
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, targets, seed=cfg.seed,
                           base_dtype=base_dtype)
     if state and cfg.lora_rank:
         lora.load_adapter(model, os.path.join(state["model_dir"], "adapter"))

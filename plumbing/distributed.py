@@ -4,6 +4,7 @@ flag every rank agrees on. With one process (no torchrun) every function here is
 plain local computation, so chat_rl.py reads the same for 1 CPU and 64 GPUs.
 """
 
+import datetime
 import os
 import signal
 import time
@@ -11,6 +12,14 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+
+
+# How long a rank waits in a collective before the run fails. The longest wait is a checkpoint: the
+# other ranks wait while rank 0 writes and syncs it to disk, 91 GB for the largest run the README
+# names (7B under --fsdp: 30 GB of weights, 61 GB of AdamW moments), an hour at 26 MB/s; NCCL's
+# default of 10 minutes would end that run at its first save. A rank that hangs for good is found as
+# late.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=1)
 
 
 def setup_distributed(device_type, fsdp=False):
@@ -34,12 +43,28 @@ def setup_distributed(device_type, fsdp=False):
         # or wait on it. Each restart therefore gets keys of its own.
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world)
+        init_process_group(device, store, rank, world)
     elif fsdp and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+        init_process_group(device, dist.HashStore(), 0, 1)
     return rank, world, device
+
+
+def init_process_group(device, store, rank, world):
+    """nccl on CUDA, bound to this rank's GPU (device_id: NCCL connects at once, and a barrier knows
+    its GPU instead of guessing it from the rank), gloo elsewhere; collectives wait up to
+    COLLECTIVE_TIMEOUT."""
+    cuda = device.type == "cuda"
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=device if cuda else None)
+
+
+def compute_dtype(device):
+    """What the matmuls run in on `device`: bf16 on CUDA (the trained weights stay fp32 under
+    autocast; --fsdp gathers them in bf16; LoRA's frozen base is bf16), fp32 elsewhere, where bf16
+    is slow. The tests ask for bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to run
+    CUDA's configuration where CI runs."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def restart_count():

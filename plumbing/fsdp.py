@@ -40,21 +40,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from plumbing.distributed import is_sharded
+from plumbing.distributed import compute_dtype, is_sharded
 from policy.hf_folder import write_config
 
 
-def prepare(model, device, fsdp, activation_checkpointing):
+def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
     """The policy as the run trains it: whole on `device`, or sharded over the ranks (fsdp=True; the model
     comes in on the CPU and each unit moves to `device` as it is sharded). activation_checkpointing:
-    recompute each decoder layer in the backward pass (gpt.GPT.forward)."""
+    recompute each decoder layer in the backward pass (gpt.GPT.forward). dtype: what a sharded model
+    gathers its weights in and computes in (None: distributed.compute_dtype, bf16 on CUDA)."""
     model.checkpoint_layers = activation_checkpointing
     if not fsdp:
         return model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # fp32 shards (AdamW's master copy); on CUDA bf16 all-gathers and compute, fp32 gradient sums
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if device.type == "cuda" else MixedPrecisionPolicy())
+    # fp32 shards (AdamW's master copy); on CUDA bf16 all-gathers and compute, fp32 gradient sums. A
+    # layer's inputs are not cast to bf16 (cast_forward_inputs): RoPE's rotations must stay fp32
+    # (CUDA's view_as_complex refuses bf16, and bf16 cos/sin would blur positions); the weights are
+    # bf16 and autocast casts the rest
+    dtype = dtype or compute_dtype(device)
+    policy = MixedPrecisionPolicy()
+    if dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     # the root holds what is left (embeddings, final norm, head: the tied head shares embed_tokens' shard);

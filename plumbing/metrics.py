@@ -30,8 +30,17 @@ def step_metrics(step, out, t_rollout, device, world, **values):
            # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
            "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world)}
     if device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_mem_gb"] = peak_memory_gb(device)
     return {k: _json_number(v) for k, v in row.items()}
+
+
+def peak_memory_gb(device):
+    """The most CUDA memory allocated since the last call (the first: since the run started), in
+    GiB; then the count starts again. Each train row so shows its own step's peak (with the eval or
+    checkpoint since the row before), not the run's peak so far."""
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def console_line(row, num_steps, last_pass1, eta_s, tool=False):

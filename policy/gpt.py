@@ -333,19 +333,23 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
-    def from_pretrained(cls, name_or_dir, device="cpu", dtype=torch.float32):
+    def from_pretrained(cls, name_or_dir, device="cpu", dtype=torch.float32, keep_fp32=()):
         """
         A Hugging Face checkpoint of the Llama / Qwen2 / Qwen3 family: a hub id
         ("Qwen/Qwen2.5-0.5B-Instruct") or a local folder with config.json + safetensors (one file,
-        or shards listed in model.safetensors.index.json). dtype=None keeps the stored dtype.
-        The model is built on the meta device (no random init, no memory) and each tensor is read
-        from the file on its own, converted, and put in place: the peak is the model plus one tensor.
+        or shards listed in model.safetensors.index.json). dtype=None keeps the stored dtype;
+        keep_fp32 names tensors read in fp32 whatever dtype says (a LoRA run's modules trained
+        whole; a tied head is its embeddings). The model is built on the meta device (no random
+        init, no memory) and each tensor is read from the file on its own, converted, and put in
+        place: the peak is the model plus one tensor.
         """
         path = resolve_folder(name_or_dir)
         config = config_from_hf(read_json(os.path.join(path, "config.json")))
         with torch.device("meta"):
             model = cls(config)
-        read_weights(model, path, device, dtype)
+        if config.tie_word_embeddings and "lm_head.weight" in keep_fp32:
+            keep_fp32 = {*keep_fp32, "model.embed_tokens.weight"}
+        read_weights(model, path, device, dtype, keep_fp32)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight  # the tie broke when embed_tokens was replaced
         model.inv_freq = rope_inv_freq(config).to(device)

@@ -49,12 +49,14 @@ def write_config(path, config, dtype):
         json.dump(hf, f, indent=2)
 
 
-def read_weights(model, path, device, dtype):
+def read_weights(model, path, device, dtype, keep_fp32=()):
     """
-    Each checkpoint tensor of folder `path` into `model` (built on the meta device: nothing allocated, nothing drawn),
-    read on its own from the memory-mapped file, converted to dtype (None: as stored), put on device and in place,
-    so the peak is the model plus one tensor. A fused Linear's part (model.hf_layout) goes into its rows. A tensor
-    the architecture lacks, a shape the config does not give or a tensor the files lack fails in one line.
+    Each checkpoint tensor of folder `path` into `model` (built on the meta device: nothing
+    allocated, nothing drawn), read on its own from the memory-mapped file, converted to dtype
+    (None: as stored; fp32 for the names in keep_fp32), put on device and in place, so the peak is
+    the model plus one tensor. A fused Linear's part (model.hf_layout) goes into its rows. A tensor
+    the architecture lacks, a shape the config does not give or a tensor the files lack fails in one
+    line.
     """
     tied = model.config.tie_word_embeddings
     layout = {name: (own, rows) for name, own, rows in model.hf_layout()}
@@ -69,7 +71,8 @@ def read_weights(model, path, device, dtype):
                 own, rows = layout[name]
                 param = model.get_parameter(own)
                 expected = param.shape if rows is None else param[rows].shape
-                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                kind = torch.float32 if name in keep_fp32 else dtype
+                tensor = f.get_tensor(name).to(device=device, dtype=kind)
                 if tensor.shape != expected:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}")
                 module_name, _, attr = own.rpartition(".")

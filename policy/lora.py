@@ -123,15 +123,22 @@ def adapter_state_dict(model):
 
 
 def merged_state_dict(model):
-    """The weights a plain model with the adapters folded in would hold, under the checkpoints' names, in fp32:
-    W + scale * B A per projection (a bf16 base would round away the small updates, so they are kept in fp32)."""
-    state = {name: tensor.detach().float().clone() for name, tensor in model.hf_state_dict().items()}
+    """The weights a plain model with the adapters folded in would hold, under the checkpoints'
+    names, in fp32 on the CPU: W + scale * B A per projection (a bf16 base would round away the
+    small updates, so they are kept in fp32). Each tensor goes to the CPU on its own before it turns
+    fp32, and each update B A leaves the GPU as it is made: the GPU holds one of them at a time,
+    never an fp32 copy of the model (30 GB for 7B)."""
+    # copied to the CPU as they are, then fp32 there (a copy: the model's own CPU tensors must not
+    # take the update)
+    state = {name: tensor.detach().to("cpu", copy=True).float()
+             for name, tensor in model.hf_state_dict().items()}
     for name, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):
             parent = name.rpartition(".")[0]
             for part, a in linear.lora.lora_A.items():
-                state[f"{parent}.{part}.weight"] += linear.lora.scale * (linear.lora.lora_B[part] @ a).detach().float()
-    return {name: tensor.cpu() for name, tensor in state.items()}
+                update = linear.lora.scale * (linear.lora.lora_B[part] @ a).detach()
+                state[f"{parent}.{part}.weight"] += update.cpu()
+    return state
 
 
 def save_adapter(model, path, base_model):

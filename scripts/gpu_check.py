@@ -1,26 +1,40 @@
 """
-What chat_rl does on a CUDA GPU, checked in one command: the one to run first on a new GPU or a new torch.
+What chat_rl does on a CUDA GPU, checked in one command: the one to run first on a new GPU or a new
+torch.
 
-    python -m scripts.gpu_check 2>&1 | tee gpu_check.txt          # CUDA, Qwen2.5-0.5B shape, ~3-5 min on an H200
-    python -m scripts.gpu_check --quick --device-type=cpu          # the same checks on tiny shapes, ~5 s on 2 CPU cores
-    python -m scripts.gpu_check --only=rollout,shared_loss         # some checks only (names below; a prefix selects several)
+    python -m scripts.gpu_check 2>&1 | tee gpu_check.txt  # CUDA, Qwen2.5-0.5B shape, ~3-5 min
+    python -m scripts.gpu_check --quick --device-type=cpu  # the same checks, tiny shapes: seconds
+    python -m scripts.gpu_check --only=rollout,shared_loss  # some checks (a prefix selects several)
 
-Checks (a model of the Qwen2.5-0.5B shape with random weights, fp32 weights under bf16 autocast, as
-chat_rl runs on CUDA; nothing is downloaded):
-    env              device, torch, CUDA, bf16 support
-    rollout          engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >= 100,000 on an H200)
-    profile          torch.profiler over a few decode passes: wall ms vs GPU-busy ms per step (launch-bound?)
-    shared_loss      the loss's fast log-probs (fast_logprobs: each prompt once) against plain_logprobs, bf16 and fp32
-    fsdp_loss        the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the whole model in fp32
-    update           one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the matmul rate (target >= 75%)
-(shared_loss, fsdp_loss and update, the training pass's checks, are in scripts/gpu_check_training.py.)
-    mixed            rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
-Each check runs in its own try/except: a failure prints its one-line error and the next check runs;
-the script ends with a markdown table and exits 1 if any check failed (a missed speed target is
-reported, not failed). A time limit's SIGTERM cuts off the check under way and the table still prints;
-no check starts after --budget-s seconds (default 420). Expected wall time on an H200 (guessed: nothing here has run on one yet):
+Checks (a model of the Qwen2.5-0.5B shape with random weights; fp32 weights computing in bf16 under
+autocast, as chat_rl runs on CUDA, and on the CPU too, whose autocast has bf16: CI runs the paths a
+GPU will; nothing is downloaded):
+    env          device, torch, CUDA, bf16 support
+    rollout      engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >=
+                 100,000 on an H200)
+    profile      torch.profiler over a few decode passes: wall ms vs GPU-busy ms a step
+                 (launch-bound?)
+    shared_loss  the loss's log-probs as chat_rl trains with them (fast, told the loss's gradient)
+                 and as any loss takes them, against the plain ones, in bf16 and fp32
+    fsdp_loss    the same loss under --fsdp (one rank: bf16 all-gathers and compute) against the
+                 whole model in fp32
+    two_ranks    a step on two ranks (NCCL; not run with one GPU visible): the gradient sum,
+                 replicated and under --fsdp, against one process; --fsdp's matched passes, its
+                 gathered weights, a rollout inside one gather
+    lora         LoRA on a bf16 base against the fp32 base (the adapters' gradient), its NLL, a
+                 rollout, the checkpoint's merged weights made on the CPU (the GPU's added peak)
+    update       one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the
+                 matmul rate (target >= 75%)
+    mixed        rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
+(shared_loss to update, the training pass's checks, are in scripts/gpu_check_training.py.) Each
+check runs in its own try/except: a failure prints its one-line error and the next check runs; the
+script ends with a markdown table, then one line per check saying what its result means for a run,
+and exits 1 if any check failed (a missed speed target is reported, not failed). A time limit's
+SIGTERM cuts off the check under way and the table still prints; no check starts after --budget-s
+seconds (default 480). Expected wall time on an H200 (guessed: nothing here has run on one yet):
 model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
-shared_loss ~10 s, fsdp_loss ~10 s, update ~10-20 s, mixed ~10-30 s: about 1.5-3 minutes in all.
+shared_loss ~10 s, fsdp_loss ~10 s, two_ranks ~40-60 s (each rank builds the model on its CPU), lora
+~10-20 s, update ~10-20 s, mixed ~10-30 s: about 2.5-4 minutes in all.
 """
 
 import argparse
@@ -37,7 +51,8 @@ from engine import Engine
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_mixed_lengths, bench_rollout
 from scripts.bench_rl_step import SHAPES, Tokenizer
-from scripts.gpu_check_training import check_fsdp_loss, check_shared_loss, check_update
+from scripts.gpu_check_training import (check_fsdp_loss, check_lora, check_shared_loss,
+                                        check_two_ranks, check_update)
 
 BENCH_RL_STEP = "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
 
@@ -61,9 +76,11 @@ class Setup:
         self.profile_tokens = 4 if quick else 8
         # shared_loss: prompts x samples rows, prompt lengths and completion lengths drawn from these ranges
         self.loss_batch = (3, 3, (4, 12), (2, 16)) if quick else (4, 4, (64, 128), (32, 256))
-        # weights stay fp32 and the matmuls run in bf16 on CUDA (chat_rl's setup); on CPU fp32 (bf16 there is slow)
-        bf16 = ("bf16", lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        self.precisions = [bf16, ("fp32", nullcontext)] if self.cuda else [("fp32", nullcontext)]
+        # weights stay fp32 and the matmuls run in bf16 (chat_rl's setup on CUDA), on the CPU as
+        # well: slow there, but it runs CUDA's paths; fp32 beside it where a check compares tightly
+        self.dtype = torch.bfloat16
+        bf16 = ("bf16", lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+        self.precisions = [bf16, ("fp32", nullcontext)]
         self.autocast = self.precisions[0][1]
 
     def model(self):
@@ -191,8 +208,57 @@ def error_line(e):
 
 # every check in the order they run: the engine's, then the training pass's (scripts/gpu_check_training.py)
 CHECK_FUNCTIONS = dict(env=check_env, rollout=check_rollout, profile=check_profile, shared_loss=check_shared_loss,
-                       fsdp_loss=check_fsdp_loss, update=check_update, mixed=check_mixed)
+                       fsdp_loss=check_fsdp_loss, two_ranks=check_two_ranks, lora=check_lora,
+                       update=check_update, mixed=check_mixed)
 CHECKS = list(CHECK_FUNCTIONS)
+
+# what each result means for a run on this machine: {check: {result: line}}; "*": any other result
+REPORT = "report the line above"
+MEANING = {
+    "env": {
+        "pass": "chat_rl's bf16 compute runs on this device",
+        "FAIL": "no bf16 here: chat_rl's autocast will not run; use a GPU with bf16 (Ampere on)"},
+    "rollout": {
+        "pass": "sampling meets its H200 speed target",
+        "below target": "sampling runs, below its H200 speed target: steps will take longer",
+        "ran (CPU)": "sampling runs end to end (its speed is a GPU's to judge)"},
+    "profile": {
+        "*": "the note says how busy the GPU is in a decode pass (far below 100%: launch-bound)"},
+    "shared_loss": {
+        "pass": "the loss chat_rl trains with gives the plain loss's gradient here",
+        "FAIL": f"the fast loss disagrees with the plain one: use --logprobs=plain; {REPORT}"},
+    "fsdp_loss": {
+        "pass": "--fsdp's bf16 loss gives the whole model's gradient: --fsdp may be used",
+        "FAIL": f"--fsdp gives another gradient here: do not use --fsdp; {REPORT}"},
+    "two_ranks": {
+        "pass": "two ranks train what one process trains, replicated and under --fsdp: torchrun "
+                "runs may be launched",
+        "one GPU": "multi-GPU training is unchecked: run this where two GPUs are visible before a "
+                   "torchrun launch",
+        "FAIL": f"two ranks disagree with one process: launch no torchrun run; {REPORT}"},
+    "lora": {
+        "pass": "LoRA on a bf16 base trains the fp32 base's gradient and saves without an fp32 "
+                "model on the GPU: --lora-rank may be used",
+        "FAIL": f"LoRA on a bf16 base fails here: do not use --lora-rank; {REPORT}"},
+    "update": {
+        "pass": "an RL update meets its H200 speed target",
+        "below target": "an RL update runs, below its H200 speed target",
+        "ran (CPU)": "an RL update (loss, backward, AdamW) runs end to end"},
+    "mixed": {
+        "pass": "finished rows leave the batch as fast as the target asks",
+        "below target": "finished rows cost more than the target allows: short rows save less",
+        "ran (CPU)": "rows of mixed lengths run end to end"},
+}
+
+
+def meaning(check, result):
+    """The line a user reads for one check's result; a check that did not run or crashed says so."""
+    lines = MEANING[check]
+    if result in lines:
+        return lines[result]
+    if result in ("skipped", "cut off"):
+        return "did not run: nothing is known of it"
+    return lines.get("*", f"it failed: {REPORT}")
 
 
 def main(argv=None):
@@ -200,7 +266,8 @@ def main(argv=None):
     p.add_argument("--device-type", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds")
     p.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several)")
-    p.add_argument("--budget-s", type=float, default=420, help="start no check after this many seconds (the table still prints)")
+    p.add_argument("--budget-s", type=float, default=480,
+                   help="start no check after this many seconds (the table still prints)")
     args = p.parse_args(argv)
     only = [w for w in args.only.split(",") if w]
     unknown = [w for w in only if not any(c.startswith(w) for c in CHECKS)]
@@ -210,7 +277,8 @@ def main(argv=None):
     torch.manual_seed(0)
     s = Setup(args.device_type, args.quick)
     shape = "tiny (bench_rollout 'tiny' + qkv bias)" if args.quick else "qwen2.5-0.5b"
-    print(f"gpu_check: device {args.device_type}, shape {shape}, {'bf16 autocast' if s.cuda else 'fp32'}", flush=True)
+    print(f"gpu_check: device {args.device_type}, shape {shape}, fp32 weights under bf16 autocast",
+          flush=True)
     rows, failed = [], False
     # a time limit's SIGTERM ends the check under way, not the report: the table of what ran still prints
     previous = signal.signal(signal.SIGTERM, out_of_time)
@@ -241,6 +309,9 @@ def main(argv=None):
     print("| check | result | note |\n| --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(x.replace("|", "/") for x in row) + " |")
+    print("\nwhat this means for a run here:")
+    for name, result, _ in rows:
+        print(f"  {name}: {result}: {meaning(name, result)}")
     if s.cuda:
         print(f"\nalso worth running if time is left (peak memory and time of whole RL steps):\n    {BENCH_RL_STEP}")
     signal.signal(signal.SIGTERM, previous)
