@@ -38,3 +38,17 @@ def test_the_lora_table_reads_each_run_with_its_trained_parameters_and_step_time
     assert "| seed 0, full | 821,376 | 50.0% -> 90.0% | 77.5% -> 93.0% | 95.0% -> 97.0% | 13.0% -> 99.0% | 0.1 min |" in lines
     assert "| seed 1, `--lora-rank=16` | 155,648 | 50.0% -> 90.0% | 77.5% -> 93.0% | 95.0% -> 97.0% | 13.0% -> 99.0% | 0.1 min |" in lines
     assert not any(line.startswith("| seed 2") for line in lines)
+
+
+def test_the_real_model_table_reads_pass_at_k_length_and_the_time_of_steps_and_evals(tmp_path, capsys):
+    def metrics(p1, greedy, length):
+        return {"greedy": greedy, "seq_len": length, "eval_time_s": 60.0,
+                **{f"pass@{k}": min(1.0, p1 * k) for k in range(1, 17)}}
+    write_run(tmp_path / "smollm2-seed1", [(0, metrics(0.125, 0.25, 50.4)), (40, metrics(0.5, 0.625, 21.6))])
+    with open(tmp_path / "smollm2-seed1" / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps({"step": s, "step_time_s": 30.0}) + "\n" for s in range(40))
+    assert reproduce_readme.main([f"--out={tmp_path}", "--print", "--smollm2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| seed 1 | 12.5% -> 50.0% (+37.5) | 25.0% -> 62.5% (+37.5) | 100.0% -> 100.0% | 50 -> 22 | 22 min |" in lines
+    assert "| seed 1 | 12.5 -> 50.0 | 25.0 -> 100.0 | 50.0 -> 100.0 | 100.0 -> 100.0 | 100.0 -> 100.0 |" in lines
+    assert not any(line.startswith("| seed 0 ") for line in lines)
