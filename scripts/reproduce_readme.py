@@ -82,6 +82,8 @@ def main(argv=None):
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         subprocess.run([sys.executable, *command], env=env, check=True, stdout=subprocess.DEVNULL)
         seconds[name] = time.time() - t0
+    for name, s in seconds.items():
+        print(f"{name}: {s / 60:.1f} min, start to end")
     if args.lora:
         return print_lora_table(args.out)
     if args.smollm2:
@@ -92,8 +94,6 @@ def main(argv=None):
         rows = evals(os.path.join(args.out, name))
         if len(rows) >= 2:
             print(row(label, rows[0], rows[-1], tool="--tool=none" not in flags))
-    for name, s in seconds.items():
-        print(f"{name}: {s / 60:.1f} min")
     return 0
 
 
