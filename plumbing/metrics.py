@@ -56,19 +56,44 @@ def start_line(cfg, model, world, device, start_step, num_steps, resumed):
             + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not resumed else ""))
 
 
-def stop_line(step, num_steps, minutes, out_dir, evaluated=""):
+def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
     """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
     run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
     one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run.
-    evaluated: the model an --eval-only run evaluated, which writes no checkpoint."""
+    evaluated: the model an --eval-only run evaluated, which writes no checkpoint. stopped: by a
+    signal, maybe in its final eval (step == num_steps), or in step 0 (which saves nothing: with
+    --resume, the run starts afresh)."""
     if evaluated:
+        if stopped:
+            return f"stopped after {minutes:.1f} min, before the eval of {evaluated} ended: no row"
         return f"evaluated {evaluated} in {minutes:.1f} min: the eval row is in {out_dir}/metrics.jsonl"
     path = os.path.join(out_dir, f"step_{step:06d}")
-    if step < num_steps:
-        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
+    if stopped or step < num_steps:
+        saved = f"checkpoint in {path}" if step > 0 else "no step had finished, so no checkpoint"
+        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; {saved}\n"
                 f"to continue: the same command, with all its flags, plus --resume")
     return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
             f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)")
+
+
+class Eta:
+    """The console's estimate of the time left: the mean time of this run's training steps times the
+    steps to come, plus its last eval's time times the evals to come. From steps, not from the wall
+    clock since the start, which would make a first eval's time part of every step to come."""
+
+    def __init__(self, num_steps, eval_every):
+        self.num_steps, self.eval_every, self.step_s, self.eval_s = num_steps, eval_every, [], 0.0
+
+    def evaluated(self, seconds):
+        self.eval_s = seconds
+
+    def stepped(self, step, seconds):
+        """Seconds left after training step `step` took `seconds`."""
+        self.step_s.append(seconds)
+        later = range(step + 1, self.num_steps + 1)  # evals to come: each eval_every-th, the last
+        evals = sum(s % self.eval_every == 0 or s == self.num_steps for s in later)
+        per_step = sum(self.step_s) / len(self.step_s)
+        return per_step * (self.num_steps - step - 1) + self.eval_s * evals * (self.eval_every > 0)
 
 
 def all_rewards_failed(errors, device):
