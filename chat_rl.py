@@ -72,7 +72,8 @@ from plumbing.data import derive_seed, load_data, problems_for_step, rows_finger
 from plumbing.distributed import all_reduce_sum, restart_count, sync_gradients
 from plumbing.flags import RunError, load_task, run
 from plumbing.metrics import (Eta, MetricsLog, all_rewards_failed, check_nonfinite, console_line,
-                              start_line, step_metrics, stop_line)
+                              report_reward_errors, reward_errors_line, start_line, step_metrics,
+                              stop_line)
 from plumbing.stop import NeverStop, StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
@@ -300,7 +301,7 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     if stop.requested(device):  # every rank, before the sums below
         return None, []
     if mine:
-        reward_errors = sum(e is not None for e in out["reward_errors"] + greedy["reward_errors"])
+        reward_errors = report_reward_errors(out["reward_errors"] + greedy["reward_errors"])
         for g in range(len(mine)):
             correct = sum(a >= 1 for a in out["answer"][g * k:(g + 1) * k])
             for j in range(1, k + 1):
@@ -409,7 +410,8 @@ def train(cfg, rank, world, device):
         raise RunError(f"step {step}: the reward failed on every completion; the first: {failure}", every_rank=True)
     minutes = (time.time() - t_start) / 60
     evaluated = cfg.model if cfg.eval_only else ""
-    print0(stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stopped=stop.agreed))
+    print0(reward_errors_line(log.reward_errors)
+           + stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stopped=stop.agreed))
     log.close()
     return 0
 

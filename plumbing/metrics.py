@@ -56,6 +56,14 @@ def start_line(cfg, model, world, device, start_step, num_steps, resumed):
             + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not resumed else ""))
 
 
+def reward_errors_line(counts):
+    """How many completions' reward failed in the run, if any; counts: {"train": n, "eval": m}."""
+    if not any(counts.values()):
+        return ""
+    return (f"the reward failed on {counts['train']:,} training and {counts['eval']:,} eval "
+            f"completions, each scored 0 (reward_errors in metrics.jsonl; each kind shown above)\n")
+
+
 def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
     """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
     run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
@@ -96,10 +104,27 @@ class Eta:
         return per_step * (self.num_steps - step - 1) + self.eval_s * evals * (self.eval_every > 0)
 
 
+REPORTED = set()  # the kinds of reward error this process has printed
+
+
+def report_reward_errors(errors):
+    """Print each reward error of a kind this process has not met yet (its exception's type and the
+    line that raised it: what tasks/common.failure writes before the first ': '); return how many
+    of errors (None, or an error, per completion) there are. Printed by the rank that meets it."""
+    for error in errors:
+        if error is not None and (kind := error.split(": ", 1)[0]) not in REPORTED:
+            REPORTED.add(kind)
+            print(f"chat_rl: the reward failed, scoring 0 (counted in reward_errors; each kind "
+                  f"shown once): {error}", flush=True)
+    return sum(error is not None for error in errors)
+
+
 def all_rewards_failed(errors, device):
-    """The first error of this rank if the reward failed on every completion of every rank this step (no hard problem
-    does that: a bug in the reward, and no signal to learn from), else None. errors: None or a message per completion."""
-    counts = all_reduce_sum(torch.tensor([sum(e is not None for e in errors), len(errors)], dtype=torch.float, device=device))
+    """The first error of this rank if the reward failed on every completion of every rank this step
+    (no hard problem does that: a bug in the reward, and no signal to learn from), else None.
+    errors: None or a message a completion; each kind's first is printed (report_reward_errors)."""
+    failed = report_reward_errors(errors)
+    counts = all_reduce_sum(torch.tensor([failed, len(errors)], dtype=torch.float, device=device))
     return next(e for e in errors if e is not None) if counts[0] == counts[1] > 0 else None
 
 
@@ -131,6 +156,7 @@ class MetricsLog:
     def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
         self.enabled = rank == 0
         self.files, self.wandb, self.last_eval = {}, None, {}
+        self.reward_errors = {"train": 0, "eval": 0}  # the rows' counts: all ranks, this run
         if not self.enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -153,6 +179,8 @@ class MetricsLog:
     def write(self, row, samples=()):
         if not self.enabled:
             return
+        split = "eval" if row.get("split") == "eval" else "train"
+        self.reward_errors[split] += row.get("reward_errors", 0)
         self.files["metrics"].write(json.dumps(row) + "\n")
         self.files["metrics"].flush()
         for s in samples:
