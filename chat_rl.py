@@ -16,7 +16,8 @@ laptop there is one rank.
      not the policy's, so they get no gradient.
   3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the verifier finds the
      right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0, so a completion cut off before its
-     answer scores 0; with your own --reward, answer is the number it returns. format is 1 if the answer is given
+     answer scores 0; with your own --reward, answer is the number it returns (a cut-off one's too:
+     --mask-truncated keeps those out of the loss). format is 1 if the answer is given
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere. It carries no gradient, so it is dropped before the training forward pass.
@@ -101,6 +102,7 @@ HYPERPARAMETERS = dict(
     # objective
     advantage=          ("mean",                        "mean",        "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
     loss_norm=          ("all_tokens",                  "all_tokens",  "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
+    mask_truncated=     (False,                         False,         "cut-off completions (no stop token within max_new_tokens) train no token"),
     logprobs=           ("fast",                        "fast",        "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=      (0.0,                           0.0,           "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
@@ -230,6 +232,15 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum, int(kept_tokens)
+
+
+def without_truncated(masks, truncated):
+    """--mask-truncated (TRL's mask_truncated_completions, DAPO's overlong filtering): a completion
+    the budget cut off trains none of its tokens, so a reward that scores unfinished text (one of
+    your own may) cannot teach rambling. As in TRL, it keeps its place everywhere else: its reward
+    is in its group's mean, so the others' advantages are those of the whole group, and it counts
+    in sequence's C; sampling no token now, it adds nothing to all_tokens' or kept_tokens' N."""
+    return [[0] * len(mask) if cut else mask for mask, cut in zip(masks, truncated)]
 
 
 def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
@@ -377,11 +388,14 @@ def train(cfg, rank, world, device):
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
+        masks = out["masks"]
+        if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
+            masks = without_truncated(masks, out["truncated"])
         model.train()
         # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone
         with stop.abandonable(model, unless=cfg.fsdp):
             loss, kept_tokens = policy_gradient_backward(                                  # 5.
-                model, out["sequences"], out["masks"], advantages, num_samples=cfg.num_samples,
+                model, out["sequences"], masks, advantages, num_samples=cfg.num_samples,
                 loss_norm=cfg.loss_norm, device_batch_size=cfg.device_batch_size,
                 device_batch_tokens=cfg.device_batch_tokens, device=device, autocast=autocast,
                 temperature=cfg.temperature, vocab_size=tokenizer.vocab_size,
