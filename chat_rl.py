@@ -73,8 +73,8 @@ from plumbing.data import derive_seed, load_data, problems_for_step, rows_finger
 from plumbing.distributed import all_reduce_sum, restart_count, sync_gradients
 from plumbing.flags import RunError, load_task, run
 from plumbing.metrics import (Eta, MetricsLog, all_rewards_failed, check_nonfinite, console_line,
-                              report_reward_errors, reward_errors_line, start_line, step_metrics,
-                              stop_line)
+                              eval_line, report_reward_errors, reward_errors_line, start_line,
+                              step_metrics, stop_line)
 from plumbing.stop import NeverStop, StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
@@ -368,8 +368,9 @@ def train(cfg, rank, world, device):
                 break
             eta.evaluated(time.time() - t0)
             last_pass1 = metrics["pass@1"]
-            log.write({"step": step, "split": "eval", **metrics}, samples)
-            print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "reward_errors" or v))
+            at = checkpoint.step_of(cfg.model) if cfg.eval_only else step  # --eval-only: its own
+            log.write({"step": at or 0, "split": "eval", **metrics}, samples)
+            print0(eval_line(at, metrics))
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()

@@ -107,6 +107,18 @@ def lora_base(cfg, adapter_dir):
     return path
 
 
+def step_of(model):
+    """The step a --model folder was saved at, a checkpoint's (or its adapter/'s): what --eval-only
+    evaluates; None for any other model."""
+    adapter = os.path.exists(os.path.join(model, "adapter_config.json"))
+    folder = os.path.dirname(os.path.normpath(model)) if adapter else model
+    path = os.path.join(folder, "trainer_state.pt")
+    if not os.path.isfile(path):
+        return None
+    # mmap: the step alone is read, not the optimizer state beside it
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+
+
 def _ckpt_dirs(out_dir):
     if not os.path.isdir(out_dir):
         return []

@@ -45,6 +45,13 @@ def console_line(row, num_steps, last_pass1, eta_s, tool=False):
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
+def eval_line(step, metrics):
+    """An eval's console line: its step (None: --eval-only of a model no chat_rl run saved), then
+    its metrics, reward_errors only when some failed."""
+    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "reward_errors" or v)
+    return f"eval step {step}: {shown}" if step is not None else f"eval (no chat_rl step): {shown}"
+
+
 def start_line(cfg, model, world, device, start_step, num_steps, resumed):
     """The run's first words: what trains where (a LoRA run: how many of the parameters), from which step to which,
     and where it writes."""
