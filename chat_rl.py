@@ -75,7 +75,7 @@ from plumbing.flags import RunError, load_task, run
 from plumbing.metrics import (Eta, MetricsLog, all_rewards_failed, check_nonfinite, console_line,
                               eval_line, report_reward_errors, reward_errors_line, start_line,
                               step_metrics, stop_line)
-from plumbing.stop import NeverStop, StopFlag
+from plumbing.stop import NEVER, StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def pass_at_k(n, c, k):
 
 @torch.no_grad()
 def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed,
-             generate_batch_rows=256, system_prompt="", stop=NeverStop()):
+             generate_batch_rows=256, system_prompt="", stop=NEVER):
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
     answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
     is; right: an answer reward of 1 or more, as a user's may give part marks). The same problems and random numbers at

@@ -108,3 +108,6 @@ class NeverStop:
 
     def requested(self, device):
         return False
+
+
+NEVER = NeverStop()

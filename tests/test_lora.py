@@ -246,7 +246,7 @@ def test_an_adapter_and_its_base_moved_together_load_with_the_peft_lines(tmp_pat
     merged = tmp_path / "moved" / "out" / "step_000002"
     adapter = merged / "adapter"
     code, n = re.subn(r'^adapter = "[^"]*"', f"adapter = {str(adapter)!r}", peft_snippet(),
-                      flags=re.M)
+                      flags=re.MULTILINE)
     # the base line as the docs say to write it for a base recorded relative to the adapter
     code, m = re.subn(r'from_pretrained\("Qwen/[^"]*"\)',
                       f"from_pretrained(os.path.join(adapter, {recorded!r}))", code)

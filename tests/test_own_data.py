@@ -141,9 +141,9 @@ def test_a_reward_that_fails_on_every_completion_stops_in_one_line(tmp_path, cap
                     "--eval-every=-1")
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["chat_rl: error: step 0: the reward failed on every completion; the first: "
-                   f"KeyError at {tmp_path / 'r.py'}:2 in reward: 'no_such_column' "
-                   "(the row's columns: q, sol, level)"]
+    assert err == [("chat_rl: error: step 0: the reward failed on every completion; the first: "
+                    f"KeyError at {tmp_path / 'r.py'}:2 in reward: 'no_such_column' "
+                    "(the row's columns: q, sol, level)")]
     assert not any(name.startswith("step_") for name in os.listdir(out))  # nothing trained: no checkpoint to keep
 
 

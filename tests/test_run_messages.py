@@ -136,7 +136,8 @@ def test_eval_only_names_the_step_of_the_checkpoint_it_evaluates_or_none(tmp_pat
         argv = [*small, f"--model={evaluated}", "--eval-only", f"--out-dir={out_dir}"]
         assert chat_rl.main(argv) == 0
         assert any(printed.startswith(line) for printed in capsys.readouterr().out.splitlines())
-        assert [json.loads(row)["step"] for row in open(out_dir / "metrics.jsonl")] == [step]
+        with open(out_dir / "metrics.jsonl") as f:
+            assert [json.loads(row)["step"] for row in f] == [step]
 
 
 def test_the_first_eta_does_not_spread_a_first_eval_over_each_step(tmp_path, capsys, monkeypatch):

@@ -31,6 +31,11 @@ def engine():
     return Engine(model.eval(), tokenizer)
 
 
+def metrics(out):
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
 def task_scored_by(score):
     task = generic.make(prompt_column="q", answer_column="sol")
     task.score = score  # what --reward=file.py:function makes it
@@ -112,7 +117,7 @@ def test_each_kind_of_error_is_printed_once_and_the_run_ends_with_their_count(tm
     # the step 0 eval meets the medium row first
     assert told == [f"ZeroDivisionError at {where}:6 in reward: division by zero {COLUMNS}",
                     f"KeyError at {where}:4 in reward: 'answer' {COLUMNS}"]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = metrics(out)
     errors = [sum(r["reward_errors"] for r in rows if ("split" in r) == evals) for evals in (0, 1)]
     # 2 steps x 2 failing rows x 4 samples; 2 evals x 2 failing rows x (2 samples + greedy)
     assert errors == [2 * 2 * 4, 2 * 2 * (2 + 1)]
@@ -122,7 +127,7 @@ def test_each_kind_of_error_is_printed_once_and_the_run_ends_with_their_count(tm
 
 def test_evaluation_counts_a_completion_right_at_an_answer_of_1_or_more(engine):
     for marks, right in ((0.5, 0.0), (0.99, 0.0), (1.0, 1.0), (1.5, 1.0)):
-        task = task_scored_by(lambda completion, row: marks)
+        task = task_scored_by(lambda completion, row, marks=marks: marks)
         metrics, _ = chat_rl.evaluate(engine, task, ROWS, 2, BUDGET, rank=0, world=1, device="cpu",
                                       seed=0)
         assert (metrics["greedy"], metrics["pass@1"], metrics["pass@2"]) == (right,) * 3, marks
@@ -144,8 +149,8 @@ def test_failing_on_every_completion_of_a_step_stops_the_run_keeping_its_trainin
     assert chat_rl.main([*SMALL, *write_rows(tmp_path), "--examples-per-step=2", f"--out-dir={out}",
                          f"--reward={where}:reward", "--eval-every=-1", "--num-steps=3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"chat_rl: error: step 1: the reward failed on every completion; the first: "
-                   f"RuntimeError at {where}:6 in reward: the grader went away {COLUMNS}"]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert err == [(f"chat_rl: error: step 1: the reward failed on every completion; the first: "
+                    f"RuntimeError at {where}:6 in reward: the grader went away {COLUMNS}")]
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [0] and rows[0]["kept_tokens"] > 0  # step 0 trained
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_000001"]
