@@ -115,8 +115,10 @@ def step_of(model):
     path = os.path.join(folder, "trainer_state.pt")
     if not os.path.isfile(path):
         return None
-    # mmap: the step alone is read, not the optimizer state beside it
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    try:  # mmap: the step alone is read, not the optimizer state beside it
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # noqa: BLE001 - only a label: an unreadable file names no step
+        return None
 
 
 def _ckpt_dirs(out_dir):
