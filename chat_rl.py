@@ -16,7 +16,8 @@ laptop there is one rank.
      not the policy's, so they get no gradient.
   3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the verifier finds the
      right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0, so a completion cut off before its
-     answer scores 0; with your own --reward, answer is the number it returns. format is 1 if the answer is given
+     answer scores 0; with your own --reward, answer is the number it returns (a cut-off one's too:
+     --mask-truncated keeps those out of the loss). format is 1 if the answer is given
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere. It carries no gradient, so it is dropped before the training forward pass.
@@ -69,10 +70,12 @@ from engine import Engine
 from fast.logprobs import fast_logprobs, micro_batches
 from plumbing import checkpoint, fsdp
 from plumbing.data import derive_seed, load_data, problems_for_step, rows_fingerprint
-from plumbing.distributed import StopFlag, all_reduce_sum, restart_count, sync_gradients
+from plumbing.distributed import all_reduce_sum, restart_count, sync_gradients
 from plumbing.flags import RunError, load_task, run
-from plumbing.metrics import (MetricsLog, all_rewards_failed, check_nonfinite, console_line, start_line, step_metrics,
-                              stop_line)
+from plumbing.metrics import (Eta, MetricsLog, all_rewards_failed, check_nonfinite, console_line,
+                              eval_line, report_reward_errors, reward_errors_line, start_line,
+                              step_metrics, stop_line)
+from plumbing.stop import NEVER, StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
@@ -89,7 +92,7 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=(16, "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=(16, "completions sampled per problem (the group)"),
-    max_new_tokens=(768, "completion budget; one cut off before its final answer has none: reward 0"),
+    max_new_tokens=(768, "completion budget; a built-in verifier scores one cut off before its answer 0"),
     temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss divides by it)"),
     top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
     generate_batch_rows=(256, "most rows (prompts x samples) one engine call decodes; one prompt's at least"),
@@ -98,6 +101,7 @@ HYPERPARAMETERS = dict(
     # objective
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
     loss_norm=("all_tokens", "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
+    mask_truncated=(False, "cut-off completions (no stop token within max_new_tokens) train no token"),
     logprobs=("fast", "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
@@ -241,6 +245,15 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     return loss_sum, int(kept_tokens)
 
 
+def without_truncated(masks, truncated):
+    """--mask-truncated (TRL's mask_truncated_completions, DAPO's overlong filtering): a completion
+    the budget cut off trains none of its tokens, so a reward that scores unfinished text (one of
+    your own may) cannot teach rambling. As in TRL, it keeps its place everywhere else: its reward
+    is in its group's mean, so the others' advantages are those of the whole group, and it counts
+    in sequence's C; sampling no token now, it adds nothing to all_tokens' or kept_tokens' N."""
+    return [[0] * len(mask) if cut else mask for mask, cut in zip(masks, truncated)]
+
+
 def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
     """log p(target) under softmax(logits / temperature) over the tokenizer's vocab_size (rows past it pad the
     embedding: never sampled), the distribution the rollout drew from; 0 where targets is -1. All (B, T, V) logits
@@ -288,11 +301,13 @@ def pass_at_k(n, c, k):
 
 
 @torch.no_grad()
-def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed, generate_batch_rows=256, system_prompt=""):
+def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, seed,
+             generate_batch_rows=256, system_prompt="", stop=NEVER):
     """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
     answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
     is; right: an answer reward of 1 or more, as a user's may give part marks). The same problems and random numbers at
-    every eval, so that evals compare. Returns (metrics, samples.jsonl's)."""
+    every eval, so that evals compare. Returns (metrics, samples.jsonl's); (None, []) on every
+    rank if a stop signal reached any (plumbing/stop.py)."""
     mine, ids = problems[rank::world], range(rank, len(problems), world)  # ids: each problem its own stream
     # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
     names = [*(f"pass@{j}" for j in range(1, k + 1)), "greedy", "greedy_tool_use", "tool_use", "tool_calls", "tool_errors",
@@ -301,9 +316,15 @@ def evaluate(engine, task, problems, k, max_new_tokens, rank, world, device, see
     if mine:
         label = "eval" if rank == 0 else ""
         common = dict(seed=seed, generate_batch_rows=generate_batch_rows, problem_ids=ids, system_prompt=system_prompt)
-        out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0, progress=label, **common)
-        greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0, progress=label and "eval greedy", **common)
-        reward_errors = sum(e is not None for e in out["reward_errors"] + greedy["reward_errors"])
+        with stop.abandonable(engine.model):  # a stop signal leaves the sampling at once
+            out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0, top_k=0,
+                          progress=label, **common)
+            greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0, top_k=0,
+                             progress=label and "eval greedy", **common)
+    if stop.requested(device):  # every rank, before the sums below
+        return None, []
+    if mine:
+        reward_errors = report_reward_errors(out["reward_errors"] + greedy["reward_errors"])
         for g in range(len(mine)):
             correct = sum(a >= 1 for a in out["answer"][g * k:(g + 1) * k])
             for j in range(1, k + 1):
@@ -326,6 +347,7 @@ def train(cfg, rank, world, device):
     at step s sees the weights after s steps (an update each, unless skipped). num_steps=2, eval_every=1: eval 0,
     update 0, eval 1, update 1, eval 2, checkpoint step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
     task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
     cfg.rows_fingerprint = rows_fingerprint(train_rows)  # saved in checkpoints: --resume refuses other rows
@@ -341,21 +363,28 @@ def train(cfg, rank, world, device):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # trained weights fp32
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
     print0(start_line(cfg, model, world, device, start_step, num_steps, resumed=state is not None))
-    stop = StopFlag()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval until the next one
     last_saved = start_step if state else -1  # the step of the newest checkpoint: none is written twice
     step, nonfinite_in_row, failure, t_start = start_step, 0, None, time.time()
+    eta = Eta(num_steps, cfg.eval_every)  # from the times of steps and evals
     for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates the final weights
         if stop.requested(device):
             break
         if cfg.eval_only or (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)):
             model.eval()
+            t0 = time.time()
             with autocast, fsdp.gathered(model):
                 metrics, samples = evaluate(engine, task, eval_rows, cfg.eval_samples, cfg.max_new_tokens, rank, world,
-                                            device, derive_seed(cfg.seed, "eval"), cfg.generate_batch_rows, cfg.system_prompt)
+                                            device, derive_seed(cfg.seed, "eval"),
+                                            cfg.generate_batch_rows, cfg.system_prompt, stop)
+            if metrics is None:  # a stop signal came mid-eval
+                break
+            eval_time_s = time.time() - t0
+            eta.evaluated(eval_time_s)
             last_pass1 = metrics["pass@1"]
-            log.write({"step": step, "split": "eval", **metrics}, samples)
-            print0(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "reward_errors" or v))
+            at = checkpoint.step_of(cfg.model) if cfg.eval_only else step  # --eval-only: its own
+            log.write({"step": at or 0, "split": "eval", **metrics, "eval_time_s": round(eval_time_s, 3)}, samples)
+            print0(eval_line(at, metrics))
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
@@ -364,20 +393,30 @@ def train(cfg, rank, world, device):
         optimizer.zero_grad(set_to_none=True)  # free last step's gradients: the rollout's KV cache can use the room
         # 2-3. a problem's id, its place in the step, seeds its samples' random numbers: the same on 1 rank or 8
         problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-        with autocast, fsdp.gathered(model):
+        with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
             out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           seed=derive_seed(cfg.seed, "rollout", step), problem_ids=problem_ids, format_weight=cfg.format_weight,
                           generate_batch_rows=cfg.generate_batch_rows, system_prompt=cfg.system_prompt)
         t_rollout = time.time() - t0
+        if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
+            break
         if failure := all_rewards_failed(out["reward_errors"], device):  # on every completion, every rank: a bug, stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)   # 4.
+        masks = out["masks"]
+        if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
+            masks = without_truncated(masks, out["truncated"])
         model.train()
-        loss, kept_tokens = policy_gradient_backward(                                                    # 5.
-            model, out["sequences"], out["masks"], advantages, num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
-            device_batch_size=cfg.device_batch_size, device_batch_tokens=cfg.device_batch_tokens, device=device,
-            autocast=autocast, temperature=cfg.temperature, logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
-            vocab_size=tokenizer.vocab_size)
+        # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone
+        with stop.abandonable(model, unless=cfg.fsdp):
+            loss, kept_tokens = policy_gradient_backward(                                  # 5.
+                model, out["sequences"], masks, advantages, num_samples=cfg.num_samples,
+                loss_norm=cfg.loss_norm, device_batch_size=cfg.device_batch_size,
+                device_batch_tokens=cfg.device_batch_tokens, device=device, autocast=autocast,
+                temperature=cfg.temperature, vocab_size=tokenizer.vocab_size,
+                logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs)
+        if stop.requested(device):
+            break
         sync_gradients(model)  # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = peak_lr * (1 - step / num_steps)  # linear decay: the last update at peak_lr / num_steps
@@ -388,17 +427,20 @@ def train(cfg, rank, world, device):
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
                            state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
         log.write(row)
-        eta = (time.time() - t_start) / (step + 1 - start_step) * (num_steps - step - 1)
-        print0(console_line(row, num_steps, last_pass1, eta, tool=cfg.tool != "none"))
+        eta_s = eta.stepped(step, row["step_time_s"])
+        print0(console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
-    nothing_new = step == last_saved or (failure and step == start_step)  # saved already, or failed before an update
+    nothing_new = step in (start_step, last_saved)  # no update since the start, or saved already
     if not cfg.eval_only and not nothing_new:
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
     if failure:
         raise RunError(f"step {step}: the reward failed on every completion; the first: {failure}", every_rank=True)
-    print0(stop_line(step, num_steps, (time.time() - t_start) / 60, cfg.out_dir, evaluated=cfg.model if cfg.eval_only else ""))
+    minutes = (time.time() - t_start) / 60
+    evaluated = cfg.model if cfg.eval_only else ""
+    print0(reward_errors_line(log.reward_errors)
+           + stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stopped=stop.agreed))
     log.close()
     return 0
 

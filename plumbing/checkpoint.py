@@ -5,7 +5,8 @@ resume exactly, and the decision where a run starts.
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
 the optimizer state, the step, every rank's RNG state and the run's config; a LoRA run's holds its
-weights merged, and its adapter alone in adapter/, a PEFT folder. Under --fsdp the
+weights merged, and its adapter alone in adapter/, a PEFT folder with the tokenizer beside it
+(lora_base says how it names its base). Under --fsdp the
 optimizer state is in optimizer/ instead, one file per rank with its shard (fsdp.py); either kind
 resumes with or without --fsdp. Data position is the
 step itself: step s always takes the s-th slice of a per-epoch permutation fixed by the seed, and
@@ -17,6 +18,7 @@ crash mid-write leaves a `.tmp-` folder that is never mistaken for a checkpoint.
 
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -94,12 +96,40 @@ def build_policy(cfg, state, device, dtype=None):
     return model, tokenizer
 
 
-def lora_base(cfg):
-    """The base model a LoRA run's adapter is relative to, as a PEFT folder names it: a hub id, or a folder's path."""
-    if os.path.exists(os.path.join(cfg.model, "adapter_config.json")):
-        return lora.read_adapter_config(cfg.model)[0]
-    path = os.path.join(REPO, "demo_model") if cfg.model == "demo_model" else cfg.model
-    return os.path.abspath(path) if os.path.isdir(path) else path
+def lora_base(cfg, adapter_dir):
+    """The base model of a LoRA run's adapter, as its adapter_config.json (in adapter_dir) names it,
+    so that the adapter loads elsewhere: a hub id as --model gave it, or as the hub's cache folder
+    spells it (.../models--Org--Name/snapshots/...); a folder under the directory the run started
+    in (demo_model/, a models/ beside out/) relative to adapter_dir, so the two can move together
+    (lora.read_adapter_config resolves it); any other folder by its absolute path."""
+    base = cfg.model
+    if os.path.exists(os.path.join(base, "adapter_config.json")):  # --model, an adapter: its base
+        base = lora.read_adapter_config(base)[0]
+    path = os.path.join(REPO, "demo_model") if base == "demo_model" else base
+    if not os.path.isdir(path):
+        return base  # a hub id
+    path = os.path.abspath(path)
+    cached = re.search(r"/models--([^/]+?)--([^/]+)/snapshots/[^/]+$", path)
+    if cached:
+        return f"{cached[1]}/{cached[2]}"
+    here = os.getcwd() + os.sep
+    if path.startswith(here) and os.path.abspath(adapter_dir).startswith(here):
+        return os.path.relpath(path, adapter_dir)
+    return path
+
+
+def step_of(model):
+    """The step a --model folder was saved at, a checkpoint's (or its adapter/'s): what --eval-only
+    evaluates; None for any other model."""
+    adapter = os.path.exists(os.path.join(model, "adapter_config.json"))
+    folder = os.path.dirname(os.path.normpath(model)) if adapter else model
+    path = os.path.join(folder, "trainer_state.pt")
+    if not os.path.isfile(path):
+        return None
+    try:  # mmap: the step alone is read, not the optimizer state beside it
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # noqa: BLE001 - only a label: an unreadable file names no step
+        return None
 
 
 def _ckpt_dirs(out_dir):
@@ -137,7 +167,9 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
         if lora.has_adapters(model):  # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
             write_weights(tmp, lora.merged_state_dict(model))
             write_config(tmp, model.config, torch.float32)
-            lora.save_adapter(model, os.path.join(tmp, "adapter"), lora_base(cfg))
+            adapter = os.path.join(tmp, "adapter")  # its base, as seen from step_N/adapter
+            lora.save_adapter(model, adapter, lora_base(cfg, os.path.join(final, "adapter")))
+            tokenizer.save_pretrained(adapter)  # all a user needs, besides the base
         elif not sharded:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

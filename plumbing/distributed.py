@@ -1,13 +1,11 @@
 """
-The ranks of a run: process-group setup, the collectives the training loop uses, and the stop
-flag every rank agrees on. With one process (no torchrun) every function here is a no-op or a
+The ranks of a run: process-group setup and the collectives the training loop uses (stop.py has
+the stop every rank agrees on). With one process (no torchrun) every function here is a no-op or a
 plain local computation, so chat_rl.py reads the same for 1 CPU and 64 GPUs.
 """
 
 import datetime
 import os
-import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -96,33 +94,3 @@ def sync_gradients(model):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-
-class StopFlag:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask for a stop at the next step boundary. All ranks
-    agree through one all-reduce, so every rank stops at the same step. Repeats are expected (torchrun
-    and Slurm forward signals a worker also gets directly) and ignored, except a Ctrl-C pressed again
-    after a few seconds: that one kills at once. Under torchrun, give the checkpoint time to be written
-    (torchrun's --shutdown-timeout, 30 s by default, after which it kills the workers)."""
-
-    def __init__(self):
-        self.flag, self.first = False, None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        now = time.monotonic()
-        if self.first is not None:
-            if signum == signal.SIGINT and now - self.first > 3:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            return
-        self.flag, self.first = True, now
-        # os.write, not print: print is not safe inside a signal handler (re-entrant stdout)
-        os.write(2, f"\nchat_rl: got {signal.Signals(signum).name}; stopping after this step with a checkpoint\n".encode())
-
-    def requested(self, device):
-        flag = torch.tensor(float(self.flag), device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag > 0)

@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import re
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -45,7 +46,9 @@ def run(train, hyperparameters, presets, doc, argv):
     """The command line: flags over hyperparameters, checked for world size ranks before any process group, model or
     data; then this rank's process group and device, and train(cfg, rank, world, device). A RunError is said in one
     line on stderr (once, by rank 0, when every rank has it) and returns 1, 2 for a ConfigError; anything else is a
-    bug and keeps its traceback."""
+    bug and keeps its traceback. The signal handlers train() installs (plumbing/stop.py) end with
+    the run."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = parse_config(argv, hyperparameters, presets, doc)
         check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
@@ -62,6 +65,9 @@ def run(train, hyperparameters, presets, doc, argv):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        for sig, handler in handlers.items():
+            if handler is not None:  # None: installed outside Python, nothing to put back
+                signal.signal(sig, handler)
 
 
 def parse_config(argv, hyperparameters, presets=None, doc=""):

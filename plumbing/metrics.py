@@ -54,6 +54,13 @@ def console_line(row, num_steps, last_pass1, eta_s, tool=False):
             f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
+def eval_line(step, metrics):
+    """An eval's console line: its step (None: --eval-only of a model no chat_rl run saved), then
+    its metrics, reward_errors only when some failed."""
+    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "reward_errors" or v)
+    return f"eval step {step}: {shown}" if step is not None else f"eval (no chat_rl step): {shown}"
+
+
 def start_line(cfg, model, world, device, start_step, num_steps, resumed):
     """The run's first words: what trains where (a LoRA run: how many of the parameters), from which step to which,
     and where it writes."""
@@ -65,25 +72,75 @@ def start_line(cfg, model, world, device, start_step, num_steps, resumed):
             + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not resumed else ""))
 
 
-def stop_line(step, num_steps, minutes, out_dir, evaluated=""):
+def reward_errors_line(counts):
+    """How many completions' reward failed in the run, if any; counts: {"train": n, "eval": m}."""
+    if not any(counts.values()):
+        return ""
+    return (f"the reward failed on {counts['train']:,} training and {counts['eval']:,} eval "
+            f"completions, each scored 0 (reward_errors in metrics.jsonl; each kind shown above)\n")
+
+
+def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
     """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
     run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
     one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run.
-    evaluated: the model an --eval-only run evaluated, which writes no checkpoint."""
+    evaluated: the model an --eval-only run evaluated, which writes no checkpoint. stopped: by a
+    signal, maybe in its final eval (step == num_steps), or in step 0 (which saves nothing: with
+    --resume, the run starts afresh)."""
     if evaluated:
+        if stopped:
+            return f"stopped after {minutes:.1f} min, before the eval of {evaluated} ended: no row"
         return f"evaluated {evaluated} in {minutes:.1f} min: the eval row is in {out_dir}/metrics.jsonl"
     path = os.path.join(out_dir, f"step_{step:06d}")
-    if step < num_steps:
-        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
+    if stopped or step < num_steps:
+        saved = f"checkpoint in {path}" if step > 0 else "no step had finished, so no checkpoint"
+        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; {saved}\n"
                 f"to continue: the same command, with all its flags, plus --resume")
     return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
             f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)")
 
 
+class Eta:
+    """The console's estimate of the time left: the mean time of this run's training steps times the
+    steps to come, plus its last eval's time times the evals to come. From steps, not from the wall
+    clock since the start, which would make a first eval's time part of every step to come."""
+
+    def __init__(self, num_steps, eval_every):
+        self.num_steps, self.eval_every, self.step_s, self.eval_s = num_steps, eval_every, [], 0.0
+
+    def evaluated(self, seconds):
+        self.eval_s = seconds
+
+    def stepped(self, step, seconds):
+        """Seconds left after training step `step` took `seconds`."""
+        self.step_s.append(seconds)
+        later = range(step + 1, self.num_steps + 1)  # evals to come: each eval_every-th, the last
+        evals = sum(s % self.eval_every == 0 or s == self.num_steps for s in later)
+        per_step = sum(self.step_s) / len(self.step_s)
+        return per_step * (self.num_steps - step - 1) + self.eval_s * evals * (self.eval_every > 0)
+
+
+REPORTED = set()  # the kinds of reward error this process has printed
+
+
+def report_reward_errors(errors):
+    """Print each reward error of a kind this process has not met yet (its exception's type and the
+    line that raised it: what tasks/common.failure writes before the first ': '); return how many
+    of errors (None, or an error, per completion) there are. Printed by the rank that meets it."""
+    for error in errors:
+        if error is not None and (kind := error.split(": ", 1)[0]) not in REPORTED:
+            REPORTED.add(kind)
+            print(f"chat_rl: the reward failed, scoring 0 (counted in reward_errors; each kind "
+                  f"shown once): {error}", flush=True)
+    return sum(error is not None for error in errors)
+
+
 def all_rewards_failed(errors, device):
-    """The first error of this rank if the reward failed on every completion of every rank this step (no hard problem
-    does that: a bug in the reward, and no signal to learn from), else None. errors: None or a message per completion."""
-    counts = all_reduce_sum(torch.tensor([sum(e is not None for e in errors), len(errors)], dtype=torch.float, device=device))
+    """The first error of this rank if the reward failed on every completion of every rank this step
+    (no hard problem does that: a bug in the reward, and no signal to learn from), else None.
+    errors: None or a message a completion; each kind's first is printed (report_reward_errors)."""
+    failed = report_reward_errors(errors)
+    counts = all_reduce_sum(torch.tensor([failed, len(errors)], dtype=torch.float, device=device))
     return next(e for e in errors if e is not None) if counts[0] == counts[1] > 0 else None
 
 
@@ -115,6 +172,7 @@ class MetricsLog:
     def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
         self.enabled = rank == 0
         self.files, self.wandb, self.last_eval = {}, None, {}
+        self.reward_errors = {"train": 0, "eval": 0}  # the rows' counts: all ranks, this run
         if not self.enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -137,6 +195,8 @@ class MetricsLog:
     def write(self, row, samples=()):
         if not self.enabled:
             return
+        split = "eval" if row.get("split") == "eval" else "train"
+        self.reward_errors[split] += row.get("reward_errors", 0)
         self.files["metrics"].write(json.dumps(row) + "\n")
         self.files["metrics"].flush()
         for s in samples:

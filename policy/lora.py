@@ -162,7 +162,9 @@ def whole_modules(model):
 
 
 def read_adapter_config(path):
-    """A PEFT LoRA folder's settings: (base model, rank, alpha, targets); a ValueError in one line if it is not one."""
+    """A PEFT LoRA folder's settings: (base model, rank, alpha, targets); a ValueError in one line
+    if it is not one. A base recorded relative to the folder (plumbing/checkpoint.lora_base writes
+    one for a base beside the run) comes back resolved."""
     with open(os.path.join(path, "adapter_config.json")) as f:
         cfg = json.load(f)
     whole = cfg.get("modules_to_save") or []
@@ -170,7 +172,10 @@ def read_adapter_config(path):
         raise ValueError(f"{path}: only LoRA adapters load here (no DoRA, no bias, modules_to_save only embed_tokens, lm_head)")
     targets = cfg["target_modules"]
     targets = [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)  # "all-linear"
-    return cfg["base_model_name_or_path"], cfg["r"], cfg["lora_alpha"], targets + [t for t in WHOLE if t in whole]
+    base = cfg["base_model_name_or_path"]
+    if base.startswith("."):  # relative to this folder: the two were moved together, or not at all
+        base = os.path.normpath(os.path.join(path, base))
+    return base, cfg["r"], cfg["lora_alpha"], targets + [t for t in WHOLE if t in whole]
 
 
 def load_adapter(model, path):

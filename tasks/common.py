@@ -16,12 +16,15 @@ module on the import path (my_pkg.my_task) or a file (path/to/my_task.py) with t
 imports lazily, so `--task=arith` never imports `datasets`.
 """
 
+import copy
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
 import sys
+import traceback
 import urllib.error
 import urllib.request
 
@@ -70,13 +73,21 @@ def import_user_code(name):
 
 
 def user_function(spec):
-    """'path/to/file.py:function' (or 'module:function') -> the function; a ValueError in one line if it is not one."""
+    """--reward's 'path/to/file.py:function' (or 'module:function') -> the function; a ValueError
+    in one line if it is not one, saying what is there instead."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ValueError(f"--reward={spec!r}: expected path/to/file.py:function")
-    function = getattr(import_user_code(path), name, None)
+    try:
+        module = import_user_code(path)
+    except ValueError as e:
+        raise ValueError(f"--reward={spec!r}: {e}") from None
+    function = getattr(module, name, None)
     if not callable(function):
-        raise ValueError(f"--reward={spec!r}: {path} has no function {name}")
+        defined = [n for n, f in vars(module).items()  # its own functions, not those it imports
+                   if inspect.isfunction(f) and f.__module__ == module.__name__ and n[0] != "_"]
+        there = f"its functions: {', '.join(defined)}" if defined else "it defines no function"
+        raise ValueError(f"--reward={spec!r}: {path} has no function {name} ({there})")
     return function
 
 
@@ -103,12 +114,13 @@ def rewards(task, completion, reference, format_weight=0.0, row=None):
     Hedging, repeating the answer or spamming boxes never beats an honest correct answer: the
     verifier binds one answer (GSM8K: the first '#### <number>', MATH: the last box) and format
     is only paid for a single one. A task's code that raises, or a score that is not a finite number,
-    scores 0 and carries "error", the exception in one line (the built-in verifiers never raise; a user's reward may).
-    Returns a dict of floats.
+    scores 0 and carries "error", one line (failure()); the built-in verifiers never raise, a user's
+    reward may. Returns a dict of floats.
     """
     try:
         if hasattr(task, "score"):
-            answer = task.score(completion, dict(row))  # a copy: a reward cannot change the row for the next sample
+            # a deep copy: a reward may change its row, lists in it too; the next sample's is whole
+            answer = task.score(completion, copy.deepcopy(row))
             if not isinstance(answer, numbers.Real) or not math.isfinite(answer):
                 raise ValueError(f"the reward returned {answer!r}, not a finite number")
             answer = float(answer)
@@ -116,9 +128,22 @@ def rewards(task, completion, reference, format_weight=0.0, row=None):
             answer = float(task.grade(completion, reference))
         fmt = float(task.format_ok(completion))
     except Exception as e:
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        return {"answer": 0.0, "format": 0.0, "total": 0.0, "error": error}
+        return {"answer": 0.0, "format": 0.0, "total": 0.0, "error": failure(e, row)}
     return {"answer": answer, "format": fmt, "total": answer + format_weight * fmt}
+
+
+def failure(error, row):
+    """An exception of a task's code in one line: its type, the line of that code that raised it,
+    its message and the columns of the row it was given (what a KeyError needs to fix it), e.g.
+        KeyError at my_reward.py:5 in reward: 'answer' (the row's columns: problem, target, steps)
+    What precedes the first ': ' is the error's kind (plumbing/metrics.report_reward_errors)."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is rewards()'s own call
+    ours = [f for f in frames if f.filename == frames[0].filename] if frames else []
+    where = f" at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
+    message = str(error).splitlines()[0] if str(error) else ""
+    columns = f" (the row's columns: {', '.join(map(str, row))})" if isinstance(row, dict) else ""
+    columns = columns if ours else ""  # raised by rewards() itself: not about the row
+    return f"{type(error).__name__}{where}: {message[:300]}{columns}"
 
 
 def use_cache_if_hub_unreachable():

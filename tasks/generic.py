@@ -9,7 +9,8 @@ Rows come from --data (plumbing/data.py reads files and hub data sets), in any s
         exact  the stripped cell; a completion is right if, stripped, it is that string
     reward         a user's function(completion: str, row: dict) -> float replaces the verifier's 0/1: the row
                    holds every column, so a reward can use metadata. common.rewards counts what it raises or
-                   returns that is not a finite number as an error scoring 0.
+                   returns that is not a finite number as an error scoring 0 (docs/rewards.md:
+                   the promises, each held by tests/test_user_reward.py).
 """
 
 import re

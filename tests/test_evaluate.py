@@ -18,6 +18,8 @@ GREEDY_RIGHT = [True, False, False, True]  # not sample 0's verdicts ([False, Tr
 class ScriptedEngine:
     """Stands in for Engine.generate: sample s of a problem answers right iff s < its RIGHT count."""
 
+    model = None  # an Engine's policy: where a stop signal's hook would go (none installed here)
+
     def __init__(self, problems):
         self.tokenizer = ByteTokenizer()
         self.script = {tuple(self.tokenizer.render_for_completion(conversation(arith, p))): (arith.reference(p), right, greedy)

@@ -222,7 +222,7 @@ def test_activation_checkpointing_stays_off_outside_training():
 
 
 # ---- whole runs: torchrun, 2 CPU ranks, the demo model (its groups disagree, so every step trains) -----------
-TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s"}  # wall-clock, the only values allowed to differ
+TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}  # wall-clock, the only values allowed to differ
 ARGS = ["--preset=demo", "--device-type=cpu", "--num-steps=4", "--examples-per-step=4", "--num-samples=4",
         "--save-every=2", "--eval-every=2", "--eval-examples=4", "--eval-samples=2"]
 

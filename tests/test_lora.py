@@ -4,6 +4,8 @@ bit for bit, only the adapters train, the merged checkpoint and the PEFT folder 
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -219,3 +221,62 @@ def test_the_head_or_the_embeddings_train_whole_when_named_and_peft_loads_them(t
         torch.testing.assert_close(peft, ours, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(again(idx()), ours, rtol=0, atol=0)
     assert {n for n, p in again.named_parameters() if p.requires_grad} == trained
+
+
+def peft_snippet():
+    """docs/checkpoints.md's PEFT lines, as printed."""
+    with open(os.path.join(REPO, "docs", "checkpoints.md")) as f:
+        text = f.read().split("## A LoRA run's adapter", 1)[1]
+    return text.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_an_adapter_and_its_base_moved_together_load_with_the_peft_lines(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    project = tmp_path / "project"  # a base beside the run: recorded from the adapter's folder
+    shutil.copytree(os.path.join(REPO, "demo_model"), project / "models" / "demo")
+    monkeypatch.chdir(project)
+    assert chat_rl.main(["--preset=demo", "--model=models/demo", "--lora-rank=2", "--out-dir=out",
+                         "--num-steps=2", "--examples-per-step=2", "--num-samples=4",
+                         "--max-new-tokens=40", "--eval-every=-1"]) == 0
+    with open(project / "out" / "step_000002" / "adapter" / "adapter_config.json") as f:
+        recorded = json.load(f)["base_model_name_or_path"]
+    assert recorded == "../../../models/demo"
+    shutil.move(project, tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)  # and run from another folder
+    merged = tmp_path / "moved" / "out" / "step_000002"
+    adapter = merged / "adapter"
+    code, n = re.subn(r'^adapter = "[^"]*"', f"adapter = {str(adapter)!r}", peft_snippet(),
+                      flags=re.MULTILINE)
+    # the base line as the docs say to write it for a base recorded relative to the adapter
+    code, m = re.subn(r'from_pretrained\("Qwen/[^"]*"\)',
+                      f"from_pretrained(os.path.join(adapter, {recorded!r}))", code)
+    assert n == m == 1, code
+    namespace = {}
+    exec(compile("import os\n" + code, "docs/checkpoints.md (PEFT lines)", "exec"), namespace)
+    text = "Ava has 23 pens. #### 34"
+    ids = torch.tensor([namespace["tokenizer"].encode(text)])
+    assert ids.tolist()[0] == ByteTokenizer().encode(text)  # the run's tokenizer, from the adapter
+    with torch.no_grad():
+        peft = namespace["model"].eval()(ids).logits
+        whole = AutoModelForCausalLM.from_pretrained(merged).eval()(ids).logits
+        ours = build(str(adapter), lora_rank=2)(ids)  # --model=<the moved adapter>: its base found
+    torch.testing.assert_close(peft, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, peft, rtol=1e-5, atol=1e-5)
+    trained = load_file(adapter / "adapter_model.safetensors")
+    assert any(t.abs().sum() > 0 for k, t in trained.items() if "lora_B" in k)  # it moved the model
+
+
+def test_the_base_is_recorded_as_a_hub_id_or_a_folder_loading_from_elsewhere(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "a1b2"
+    beside = tmp_path / "models" / "base"
+    for folder in (snapshot, beside, tmp_path / "elsewhere"):
+        folder.mkdir(parents=True)
+    adapter = tmp_path / "out" / "step_000001" / "adapter"
+
+    def recorded(model, run_in=tmp_path):
+        monkeypatch.chdir(run_in)
+        return checkpoint.lora_base(SimpleNamespace(model=str(model)), str(adapter))
+    assert recorded("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"  # as given
+    assert recorded(snapshot) == "Qwen/Qwen2.5-0.5B-Instruct"  # a folder of the hub's cache: its id
+    assert recorded(beside) == "../../../models/base"  # beside the run: from the adapter
+    assert recorded(beside, run_in=tmp_path / "elsewhere") == str(beside)  # elsewhere: absolute

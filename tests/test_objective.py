@@ -241,3 +241,48 @@ def test_train_hands_the_rollout_temperature_and_the_normaliser_to_the_loss(tmp_
                          "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=3", "--eval-every=-1",
                          "--temperature=0.6", "--loss-norm=sequence"])
     assert code == 0 and seen == [("sequence", 0.6, ByteTokenizer().vocab_size)]  # the sampler's vocabulary, not the 264 rows
+
+
+# --mask-truncated: rows 1, 5 and 7 were cut off by the budget (row 5's group is unanimous)
+CUT = [i in (1, 5, 7) for i in range(len(REWARDS))]
+
+
+@pytest.mark.parametrize("loss_norm", NORMS)
+def test_mask_truncated_trains_no_cut_off_token_and_keeps_their_rewards_in_the_baseline(loss_norm):
+    sequences, masks = rollouts()
+    advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)  # every row's reward, cut off too
+    model, reference = small_model(), small_model()
+    chat_rl.policy_gradient_backward(model, sequences, chat_rl.without_truncated(masks, CUT),
+                                     advantages, NUM_SAMPLES, 3, loss_norm, "cpu", temperature=T)
+    # written out: L = -sum_{i finished} sum_{t in S_i} A_i logp_it / N_i, N_i over finished rows'
+    # tokens (all_tokens, kept_tokens), or C * max(1, |S_i|) with C every row (sequence: TRL's grpo)
+    inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
+    logp = direct_logp(reference, inputs, targets, T)
+    finished = ~torch.tensor(CUT)
+    tokens = (targets >= 0).sum(dim=1) * finished
+    normaliser = {"all_tokens": tokens.sum(), "kept_tokens": tokens[kept_rows(advantages)].sum(),
+                  "sequence": len(sequences) * tokens.clamp(min=1)}[loss_norm]
+    (-(finished * advantages * logp.sum(dim=1) / normaliser).sum()).backward()
+    assert_same_grads(grads(model), grads(reference))
+
+
+@pytest.mark.parametrize("flag", [[], ["--mask-truncated"]])
+def test_train_masks_cut_off_completions_if_asked_after_the_advantages(flag, tmp_path, monkeypatch):
+    rolled, given = [], []
+    rollout, backward = chat_rl.rollout, chat_rl.policy_gradient_backward
+
+    def spy(*args, **kwargs):
+        given.append(inspect.signature(backward).bind(*args, **kwargs).arguments)
+        return backward(*args, **kwargs)
+    monkeypatch.setattr(chat_rl, "rollout",
+                        lambda *a, **k: rolled.append(rollout(*a, **k)) or rolled[-1])
+    monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
+    assert chat_rl.main(["--preset=demo", f"--out-dir={tmp_path / 'run'}", "--num-steps=1",
+                         "--eval-every=-1", "--examples-per-step=4", "--num-samples=4",
+                         "--max-new-tokens=30", *flag]) == 0
+    out, args = rolled[0], given[0]
+    assert 0 < sum(out["truncated"]) < len(out["truncated"])  # some cut off, some not
+    every_reward = chat_rl.compute_advantages(torch.tensor(out["total"]), 4)
+    assert args["advantages"].tolist() == every_reward.tolist()
+    cut = out["truncated"] if flag else [False] * len(out["masks"])
+    assert args["masks"] == [[0] * len(m) if c else m for m, c in zip(out["masks"], cut)]

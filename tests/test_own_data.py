@@ -118,8 +118,10 @@ def test_rewards_that_raise_or_return_nan_score_zero_and_are_counted(tmp_path):
     (tmp_path / "r.py").write_text(FLAKY_REWARD)
     task = generic.make(prompt_column="q", answer_column="sol", reward=str(tmp_path / "r.py") + ":reward")
     assert rewards(task, "#### 3", "3", row=TRAIN[0]) == {"answer": 1.0, "format": 1.0, "total": 1.0}
+    columns = "(the row's columns: q, sol, level)"
+    error = f"KeyError at {tmp_path / 'r.py'}:4 in reward: 'no such thing' {columns}"
     assert rewards(task, "#### 3", "3", row=TRAIN[3]) == {"answer": 0.0, "format": 0.0, "total": 0.0,
-                                                         "error": "KeyError: 'no such thing'"}
+                                                         "error": error}
     assert rewards(task, "#### 3", "3", row=TRAIN[1])["error"] == "ValueError: the reward returned nan, not a finite number"
     train, test = write(str(tmp_path / "train.jsonl"), TRAIN), write(str(tmp_path / "test.jsonl"), TEST)
     code, out = run(tmp_path, f"--data={train}", f"--eval-data={test}", *OWN, f"--reward={tmp_path / 'r.py'}:reward",
@@ -139,7 +141,9 @@ def test_a_reward_that_fails_on_every_completion_stops_in_one_line(tmp_path, cap
                     "--eval-every=-1")
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["chat_rl: error: step 0: the reward failed on every completion; the first: KeyError: 'no_such_column'"]
+    assert err == [("chat_rl: error: step 0: the reward failed on every completion; the first: "
+                    f"KeyError at {tmp_path / 'r.py'}:2 in reward: 'no_such_column' "
+                    "(the row's columns: q, sol, level)")]
     assert not any(name.startswith("step_") for name in os.listdir(out))  # nothing trained: no checkpoint to keep
 
 
@@ -236,8 +240,10 @@ def test_resume_refuses_other_rows(tmp_path, capsys):
                                            "(--prompt-column and --answer-column name them)"),
     (["--data=TRAIN", "--eval-data=TEST", "--prompt-column=q", "--answer-column=level"], "row 0 has no answer the verifier can read"),
     (["--data=TRAIN", "--eval-data=TEST", "--verifier=fuzzy"], "unknown --verifier 'fuzzy' (gsm8k | math | exact)"),
-    (["--data=TRAIN", "--eval-data=TEST", "--reward=REWARD:rewardd"], "has no function rewardd"),
-    (["--data=TRAIN", "--eval-data=TEST", "--reward=no_such_file.py:reward"], "no such file 'no_such_file.py'"),
+    (["--data=TRAIN", "--eval-data=TEST", "--reward=REWARD:rewardd"],
+     "has no function rewardd (its functions: reward)"),
+    (["--data=TRAIN", "--eval-data=TEST", "--reward=no_such_file.py:reward"],
+     "--reward='no_such_file.py:reward': no such file 'no_such_file.py'"),
     (["--task=arith", "--prompt-column=q"], "--prompt-column is for --task=data, your own rows"),
     (["--task=data"], "--task=data trains on your own rows: name them with --data="),
     (["--task=nonesuch"], "unknown task 'nonesuch'"),

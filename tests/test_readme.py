@@ -20,20 +20,22 @@ def quick_start():
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
 
 
-def test_the_quick_start_is_install_demo_tests():
+def test_the_quick_start_is_environment_install_demo_plot_tests():
     commands = quick_start()
-    assert len(commands) == 4
-    assert commands[0].startswith("pip install torch==") and "--index-url https://download.pytorch.org/whl/cpu" in commands[0]
-    assert commands[1:] == ["pip install -r requirements.txt", "python -m chat_rl --preset=demo", "python -m pytest -q tests"]
+    assert commands[0] == "python -m venv .venv && source .venv/bin/activate"
+    assert commands[1].startswith("pip install torch==")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in commands[1]  # the CPU wheel first
+    assert commands[2:] == ["pip install -r requirements.txt", "python -m chat_rl --preset=demo",
+                            "python -m scripts.plot out/demo", "python -m pytest -q tests"]
 
 
 def test_ci_installs_the_same_torch_and_runs_the_same_test_command():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    torch_pin = re.search(r"torch==[0-9.]+", quick_start()[0]).group()
+    torch_pin = re.search(r"torch==[0-9.]+", quick_start()[1]).group()
     assert any(line.startswith("python -m pip install") and torch_pin in line.split() for line in ci), torch_pin
     assert any(line.startswith("python -m pip install") and "-r requirements.txt" in line for line in ci)
-    assert ci[-1] == quick_start()[3]  # the last thing CI does is the README's test command
+    assert ci[-1] == quick_start()[-1]  # the last thing CI does is the README's test command
 
 
 def test_the_engine_snippet_runs_as_pasted_on_the_demo_model():

@@ -1,9 +1,12 @@
-"""A run killed at any moment and resumed ends where an uninterrupted run ends: same metrics, same bits."""
+"""A run killed at any moment and resumed ends where an uninterrupted run ends: same metrics, same
+bits. A run asked to stop (SIGTERM, SIGINT) mid-rollout, mid-eval or mid-backward-pass leaves that
+step at once, on every rank."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -12,16 +15,62 @@ from safetensors.torch import load_file
 from policy.gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s"}  # wall-clock, the only values allowed to differ
+TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}  # wall-clock, the only values allowed to differ
 
-# Runs chat_rl.main in a child process that dies (SIGKILL) or is asked to stop (SIGTERM) at a chosen
-# moment: after a step's metrics row ("metrics"), or mid-checkpoint after every file is written but
-# before the rename that makes it visible ("save").
+# Runs chat_rl.main in a child process that dies (SIGKILL) or is asked to stop (SIGTERM, SIGINT) at
+# a chosen moment: after a step's metrics row ("metrics"); mid-checkpoint, every file written but
+# not the rename that makes it visible ("save"); or mid-work: at the 3rd position decoded in step
+# `at`'s rollout ("rollout") or in the at-th eval, from 0 ("eval"), or in the last layer's backward
+# pass of step `at` ("backward"). Mid-work it prints, as it exits, when the signal was sent and how
+# many decoder layers' forward or backward passes still ended after it. STOP_RANK: the one rank that
+# is sent the signal (torchrun); AGAIN_AFTER: the signal again that many seconds later, from
+# another thread, while the checkpoint is written (3 s).
 RUNNER = r"""
-import os, signal, sys
-import chat_rl
-from plumbing import metrics
+import atexit, os, signal, sys, threading, time
+import chat_rl, engine
+from plumbing import checkpoint, metrics
+from policy import gpt
 where, at, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
+state = dict(phase=None, decoded=0, evals=-1, sent=None, after=0)
+def send():
+    rank = os.environ.get("RANK", "0")
+    if state["sent"] is None and os.environ.get("STOP_RANK", rank) == rank:
+        state["sent"] = time.monotonic()
+        if "AGAIN_AFTER" in os.environ:
+            threading.Timer(float(os.environ["AGAIN_AFTER"]), os.kill, (os.getpid(), sig)).start()
+        os.kill(os.getpid(), sig)
+if "AGAIN_AFTER" in os.environ:
+    save = checkpoint.save
+    checkpoint.save = lambda *args, **kwargs: time.sleep(3) or save(*args, **kwargs)
+def counted(function):  # a layer's forward or backward pass, counted if it ends after the signal
+    def wrapper(*args, **kwargs):
+        result = function(*args, **kwargs)
+        state["after"] += state["sent"] is not None
+        return result
+    return wrapper
+if where in ("rollout", "eval", "backward"):
+    problems_for_step, evaluate = chat_rl.problems_for_step, chat_rl.evaluate
+    next_logits, backward = engine.next_logits, gpt.SwiGLU.backward
+    def step_starts(rows, step, *args):
+        state.update(phase=("rollout", step), decoded=0)
+        return problems_for_step(rows, step, *args)
+    def eval_starts(*args, **kwargs):
+        state.update(phase=("eval", state["evals"] + 1), evals=state["evals"] + 1, decoded=0)
+        return evaluate(*args, **kwargs)
+    def decoding(*args):
+        state["decoded"] += state["phase"] == (where, at)
+        if state["decoded"] == 3:
+            send()
+        return next_logits(*args)
+    def backward_pass(ctx, grad):
+        if where == "backward" and state["phase"] == ("rollout", at):
+            send()
+        return backward(ctx, grad)
+    chat_rl.problems_for_step, chat_rl.evaluate = step_starts, eval_starts
+    engine.next_logits, gpt.SwiGLU.backward = decoding, staticmethod(counted(backward_pass))
+    gpt.Block.forward = counted(gpt.Block.forward)
+    atexit.register(lambda: print(f"signal sent at {state['sent']}; "
+                                  f"layer passes after it: {state['after']}", file=sys.stderr))
 if where == "metrics":
     write = metrics.MetricsLog.write
     def hooked(self, row, samples=()):
@@ -53,10 +102,16 @@ def args(model_dir, out_dir):
             "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=1e-3"]
 
 
-def launch(argv, where="none", at=-1, sig="SIGKILL"):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+def launch(argv, where="none", at=-1, sig="SIGKILL", **environ):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **environ}
     return subprocess.run([sys.executable, "-c", RUNNER, where, str(at), sig, *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def signal_to_exit(result, exited):
+    """(seconds from the signal to the process's end, layer passes that ended after the signal)."""
+    sent, after = result.stderr.rsplit("signal sent at ", 1)[1].split("; layer passes after it: ")
+    return exited - float(sent), int(after.split()[0])
 
 
 def metrics(out_dir):
@@ -109,6 +164,64 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_exit_0(model_dir
     resumed = launch(args(model_dir, out) + ["--save-every=-1", "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert metrics(out) == reference[0]
+
+
+# the step under way is left at once: no decoder layer ends a forward or backward pass after the
+# signal; the checkpoint of the last finished step (step 1: step_000002) is kept or written; exit 0
+@pytest.mark.parametrize("where, at, save_every",
+                         [("rollout", 2, -1), ("eval", 1, 1), ("backward", 2, -1)],
+                         ids=["mid-rollout-writes-it", "mid-eval-keeps-it", "mid-backward-pass"])
+def test_a_stop_mid_step_leaves_it_at_once_and_resumes_bit_for_bit(where, at, save_every, model_dir,
+                                                                   reference, tmp_path):
+    out = tmp_path / "run"
+    stopped = launch(args(model_dir, out) + [f"--save-every={save_every}"], where, at, "SIGTERM")
+    seconds, after = signal_to_exit(stopped, time.monotonic())
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert after == 0 and seconds < STOP_BOUND_S, (after, seconds)
+    assert max(d for d in os.listdir(out) if d.startswith("step_")) == "step_000002"
+    assert "stopped at step 2/5" in stopped.stdout and "checkpoint in" in stopped.stdout
+    resumed = launch(args(model_dir, out) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert " steps=2->5 " in resumed.stdout
+    assert metrics(out) == reference[0]
+    assert all(torch.equal(final_weights(out)[k], v) for k, v in reference[1].items())
+
+
+STOP_BOUND_S = 10  # signal to exit, checkpoint included: 0.5-1 s measured on a busy 2-core CPU
+
+
+def test_a_repeat_within_a_second_is_one_stop_and_a_later_one_kills_at_once(model_dir, tmp_path):
+    # torchrun forwards a Ctrl-C its workers already got from the terminal: it must not kill them
+    soon, later = (launch(args(model_dir, tmp_path / str(delay)) + ["--save-every=-1"], "rollout",
+                          2, "SIGINT", AGAIN_AFTER=str(delay)) for delay in (0.1, 2.0))
+    assert soon.returncode == 0, soon.stderr[-2000:]
+    assert os.path.isdir(tmp_path / "0.1" / "step_000002")
+    assert later.returncode == -2, later.stderr[-2000:]  # died of the second, mid-checkpoint
+    assert not os.path.exists(tmp_path / "2.0" / "step_000002")
+
+
+def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, reference, tmp_path):
+    # rank 1 is never signalled and ends its rollout; the ranks agree after it and both leave step 2
+    out, runner = tmp_path / "run", tmp_path / "runner.py"
+    runner.write_text(RUNNER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "STOP_RANK": "0"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = [*args(model_dir, out), "--examples-per-step=2", "--save-every=-1"]
+    stopped = subprocess.run([*torchrun, str(runner), "rollout", "2", "SIGTERM", *two], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    # rank 0 left its rollout at once; rank 1, never signalled, sent nothing
+    assert stopped.stderr.count("layer passes after it: 0") == 2
+    assert stopped.stderr.count("signal sent at None") == 1
+    assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000002"]
+    resumed = subprocess.run([*torchrun, "-m", "chat_rl", *two, "--resume"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows, steps = metrics(out), lambda rows: [(r["step"], r.get("split")) for r in rows]
+    assert steps(rows) == steps(reference[0])
+    for ours, one_process in zip(rows, reference[0]):  # each problem samples from its own stream
+        for key in {"reward", "seq_len", "kept_tokens", "pass@1", "greedy"} & set(one_process):
+            assert ours[key] == pytest.approx(one_process[key], rel=1e-5), key
 
 
 def test_old_checkpoints_are_pruned(model_dir, reference, tmp_path):

@@ -7,14 +7,16 @@ import math
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 import chat_rl
 from plumbing import checkpoint
 from plumbing import flags
 from policy.gpt import GPT, GPTConfig
-from plumbing.metrics import MetricsLog, console_line, stop_line
+from plumbing.metrics import Eta, MetricsLog, console_line, stop_line
 from policy.tokenizer import ByteTokenizer
 
 TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -112,3 +114,59 @@ def test_chat_rl_sets_a_passive_omp_wait_policy_before_torch_loads_unless_the_us
     assert "import torch" not in before and not any(line.startswith(("from ", "import ")) and line.split()[1] not in
                                                     ("hashlib", "math", "os", "sys", "time", "contextlib")
                                                     for line in before.splitlines())
+
+
+def tiny_model(tmp_path):
+    model_dir = str(tmp_path / "model")
+    GPT(GPTConfig(**TINY)).init_weights(0).save_pretrained(model_dir)
+    ByteTokenizer().save_pretrained(model_dir)
+    return model_dir
+
+
+def test_eval_only_names_the_step_of_the_checkpoint_it_evaluates_or_none(tmp_path, capsys):
+    small = ["--preset=demo", "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=4",
+             "--eval-examples=2", "--eval-samples=2"]
+    model, run = tiny_model(tmp_path), tmp_path / "run"
+    assert chat_rl.main([*small, f"--model={model}", f"--out-dir={run}", "--num-steps=2",
+                         "--eval-every=-1"]) == 0
+    for evaluated, step, line in [(run / "step_000002", 2, "eval step 2: "),
+                                  (model, 0, "eval (no chat_rl step): ")]:
+        capsys.readouterr()
+        out_dir = tmp_path / f"eval-{step}"
+        argv = [*small, f"--model={evaluated}", "--eval-only", f"--out-dir={out_dir}"]
+        assert chat_rl.main(argv) == 0
+        assert any(printed.startswith(line) for printed in capsys.readouterr().out.splitlines())
+        with open(out_dir / "metrics.jsonl") as f:
+            assert [json.loads(row)["step"] for row in f] == [step]
+
+
+def test_the_first_eta_does_not_spread_a_first_eval_over_each_step(tmp_path, capsys, monkeypatch):
+    # a 3 s eval at steps 0 and 20 of 20 steps: after step 0, 19 quick steps and one eval are left
+    # (a few seconds); the wall clock since the start would make each step to come 3 s (1 min)
+    evaluate = chat_rl.evaluate
+    monkeypatch.setattr(chat_rl, "evaluate", lambda *a, **k: time.sleep(3) or evaluate(*a, **k))
+    assert chat_rl.main(["--preset=demo", f"--model={tiny_model(tmp_path)}", "--num-steps=20",
+                         f"--out-dir={tmp_path / 'run'}", "--eval-every=20", "--num-samples=2",
+                         "--examples-per-step=2", "--max-new-tokens=4", "--eval-examples=2",
+                         "--eval-samples=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(line for line in lines if line.startswith("step 0/20"))
+    assert float(first.split("eta ")[1].split(" min")[0]) < 0.5, first
+
+
+def test_the_eta_is_the_mean_step_times_the_steps_left_plus_the_last_eval_times_evals_left():
+    eta = Eta(num_steps=150, eval_every=50)
+    eta.evaluated(20.0)
+    assert eta.stepped(0, 1.0) == pytest.approx(149 * 1.0 + 3 * 20.0)  # evals at 50, 100, 150
+    assert eta.stepped(1, 3.0) == pytest.approx(148 * 2.0 + 3 * 20.0)
+    assert Eta(num_steps=10, eval_every=-1).stepped(4, 2.0) == pytest.approx(5 * 2.0)  # no evals
+
+
+def test_a_stopped_run_says_where_it_stopped_and_how_to_go_on():
+    mid_eval = stop_line(150, 150, 3.0, "out/demo", stopped=True).splitlines()  # its final eval
+    assert mid_eval == ["stopped at step 150/150 after 3.0 min; checkpoint in out/demo/step_000150",
+                        "to continue: the same command, with all its flags, plus --resume"]
+    first = stop_line(0, 150, 0.5, "out/demo", stopped=True).splitlines()[0]  # no step finished
+    assert first == "stopped at step 0/150 after 0.5 min; no step had finished, so no checkpoint"
+    eval_only = stop_line(0, 1, 0.5, "out/e", evaluated="m", stopped=True)
+    assert eval_only == "stopped after 0.5 min, before the eval of m ended: no row"
