@@ -55,17 +55,19 @@ FULL_VOCAB = 151936  # Qwen2.5 / Qwen3
 
 
 def measure_machine(quick):
-    """The fp32 GEMM rate, the faster of torch's (MKL's) and, on x86, oneDNN's on a packed weight,
-    which the engine's large matmuls use (fast/packed_linear.py); and the read bandwidth."""
-    n = 512 if quick else 2048
+    """The fp32 GEMM rate of square (n, n) matmuls, the faster of torch's (MKL's) and, on x86,
+    oneDNN's on a packed weight, which the engine's large matmuls use (fast/packed_linear.py), each
+    kept too (0: not on this machine); and the read bandwidth."""
+    n, tries = (512, 3) if quick else (2048, 8)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    gemm = 2 * n ** 3 / best_of(lambda: a @ b, 3 if quick else 8)
+    mkl, onednn = 2 * n ** 3 / best_of(lambda: a @ b, tries), 0.0
     if packed_linear.can_pack(b):
         packed = packed_linear.packed_forward(packed_linear.pack(b, n), None)
-        gemm = max(gemm, 2 * n ** 3 / best_of(lambda: packed(a), 3 if quick else 8))
+        onednn = 2 * n ** 3 / best_of(lambda: packed(a), tries)
     x = torch.randn((2 if quick else 64) * 2 ** 20)  # 8 / 256 MB: well past the caches
-    read = x.numel() * 4 / best_of(lambda: x.sum(), 3 if quick else 8)
-    return SimpleNamespace(gemm_flops=gemm, read_bytes=read)
+    read = x.numel() * 4 / best_of(lambda: x.sum(), tries)
+    return SimpleNamespace(gemm_flops=max(mkl, onednn), mkl_flops=mkl, onednn_flops=onednn,
+                           gemm_size=n, read_bytes=read)
 
 
 def decode_cost(c, rows, context):
@@ -218,11 +220,12 @@ def tool_overhead(quick, tries):
 def smollm2_rows(add, quick, prompt_len, new_tokens):
     """
     SmolLM2-135M's shape (30 layers x width 576, a 49,152-token vocabulary; tiny-llama when quick),
-    random weights, 16 prompts x 8 samples, top-k 0 as RL samples: the engine against transformers'
-    generate on the same batch, one after the other, and against its ceiling; the engine with every
-    Linear's weight packed (fast/packed_linear.py; at this shape all are, by default) against none,
-    MKL's matmuls, one after the other, a quarter of the new tokens each; and the share of a decode
-    pass its head and the sampler take.
+    random weights, 16 prompts x 8 samples, top-k 0 as RL samples: the machine's two fp32 GEMMs,
+    oneDNN's and MKL's; the engine against transformers' generate on the same batch, one after the
+    other, and against its ceiling; the engine with every Linear's weight packed
+    (fast/packed_linear.py; at this shape all are, by default) against none, MKL's matmuls, one
+    after the other, a quarter of the new tokens each; and the share of a decode pass its head and
+    the sampler take.
     """
     name = "tiny-llama" if quick else "SmolLM2"
     model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
@@ -230,6 +233,11 @@ def smollm2_rows(add, quick, prompt_len, new_tokens):
     n_prompts, samples = (2, 4) if quick else (16, 8)
     prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
     now = measure_machine(quick)
+    if now.onednn_flops:  # the machine's two fp32 matmuls: the engine's large ones are oneDNN's
+        add(f"fp32 GEMM, {now.gemm_size} x {now.gemm_size}",
+            f"oneDNN, packed: {now.onednn_flops / 1e9:.0f} GFLOP/s",
+            f"MKL (torch.mm): {now.mkl_flops / 1e9:.0f} GFLOP/s",
+            f"{now.onednn_flops / now.mkl_flops:.2f}x", "")
     ours = engine_tokens_per_s(model, prompts, samples, new_tokens, 0)
     n, seconds = transformers_tokens_per_s(hf, prompts, samples, new_tokens, 0)
     del hf

@@ -12,7 +12,8 @@ ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode pass, top-k 0
         "sampling", "log-prob pass peak", "RL step", "update against its own matmuls", "update, fast_logprobs", "LoRA rank 16", "calculator on, demo model, as it starts",
         "calculator on, demo model, every row calling",
         # SmolLM2-135M's rows, on a tiny Llama
-        "tiny-llama 2x4, 16 new tokens, top-k 0", "tiny-llama 2x4, 4 new tokens, weights packed",
+        "fp32 GEMM, 512 x 512", "tiny-llama 2x4, 16 new tokens, top-k 0",
+        "tiny-llama 2x4, 4 new tokens, weights packed",
         "tiny-llama head and sampler",
         *(f"tiny-llama RL step 2x4, 8 + 8 tokens, {kind}: {part}"
           for kind in ("full", "LoRA rank 16")
@@ -26,7 +27,7 @@ def test_quick_bench_prints_every_row_with_finite_figures_and_positive_ratios(ca
     for row in ROWS:
         assert row in table, row
     rows = [line.strip("|").split(" | ") for line in table.splitlines()[2:] if line.startswith("| ")]
-    assert len(rows) == 30
+    assert len(rows) == 31
     for case, engine, compared, ratio, _ in rows:
         assert not re.search(r"(?<![a-z])(nan|inf)", " ".join((engine, compared, ratio)), re.I), case
         # the ratio of two measured figures (speeds, times, sizes), computed before rounding: above zero
