@@ -168,6 +168,25 @@ def sampling_vs_decode(model, prompts, samples, prompt_len, tries):
     return head, sample, decode
 
 
+@torch.inference_mode()
+def packed_vs_plain_decode(model, prompts, samples, prompt_len, tries):
+    """Seconds of one decode pass (prompts x samples rows) with every Linear's weight packed
+    (fast/packed_linear.py; at SmolLM2's shape the engine packs them all) and with MKL's matmuls,
+    in turn, the best of tries each, packing untimed: (packed, plain). Whole rollouts timed one
+    after the other read the shared machine's drift as much as the kernels."""
+    vocab, rows = model.config.vocab_size, prompts * samples
+    engine = Engine(model, Tokenizer(vocab))
+    _, cache = engine.prefill(random_prompts(prompts, prompt_len, vocab), samples, 2 * tries)
+    token = torch.randint(0, vocab, (rows,))
+    decode = lambda: next_logits(model, token, cache)  # noqa: E731
+    packed = plain = math.inf
+    for _ in range(tries):
+        with mock.patch.object(packed_linear, "MIN_WEIGHT", 0), packed_linears(model, rows):
+            packed = min(packed, best_of(decode, 1))
+        plain = min(plain, best_of(decode, 1))
+    return packed, plain
+
+
 # ---- the calculator's cost ------------------------------------------------------------------------
 def open_every_call(model, token):
     """A forward hook that lifts `token` (the byte '<') 1000 above the prefill's logits: every row's first
@@ -222,10 +241,9 @@ def smollm2_rows(add, quick, prompt_len, new_tokens):
     SmolLM2-135M's shape (30 layers x width 576, a 49,152-token vocabulary; tiny-llama when quick),
     random weights, 16 prompts x 8 samples, top-k 0 as RL samples: the machine's two fp32 GEMMs,
     oneDNN's and MKL's; the engine against transformers' generate on the same batch, one after the
-    other, and against its ceiling; the engine with every Linear's weight packed
-    (fast/packed_linear.py; at this shape all are, by default) against none, MKL's matmuls, one
-    after the other, a quarter of the new tokens each; and the share of a decode pass its head and
-    the sampler take.
+    other, and against its ceiling; a decode pass with the weights packed as the engine runs it
+    (packed_vs_plain_decode) against MKL's matmuls; and the share of a pass its head and the sampler
+    take.
     """
     name = "tiny-llama" if quick else "SmolLM2"
     model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
@@ -247,14 +265,9 @@ def smollm2_rows(add, quick, prompt_len, new_tokens):
     ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
     add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} "
         f"GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)", percent(ours / ceiling), "")
-    speeds = []
-    for min_weight in (0, math.inf):  # every Linear packed (at SmolLM2's shape all are), then none
-        with mock.patch.object(packed_linear, "MIN_WEIGHT", min_weight):
-            speeds.append(engine_tokens_per_s(model, prompts, samples, new_tokens // 4, 0))
-    packed, plain = speeds
-    add(f"{name} {n_prompts}x{samples}, {new_tokens // 4} new tokens, weights packed",
-        f"{packed:,.0f} tok/s", f"MKL's matmuls, timed next: {plain:,.0f} tok/s",
-        f"{packed / plain:.2f}x", "")
+    packed, plain = packed_vs_plain_decode(model, n_prompts, samples, prompt_len, 3 if quick else 5)
+    add(f"{name} decode pass, {n_prompts * samples} rows, weights packed", f"{packed * 1e3:.1f} ms",
+        f"MKL's matmuls, in turn: {plain * 1e3:.1f} ms", f"{packed / plain:.2f}x", "")
     head, sample, decode = sampling_vs_decode(model, n_prompts, samples, prompt_len,
                                               tries=2 if quick else 3)
     add(f"{name} head and sampler, {n_prompts * samples} rows, {c.vocab_size:,} columns",

@@ -13,7 +13,7 @@ ROWS = ("tiny 1x4", "tiny 2x4", "transformers", "ceiling", "decode pass, top-k 0
         "calculator on, demo model, every row calling",
         # SmolLM2-135M's rows, on a tiny Llama
         "fp32 GEMM, 512 x 512", "tiny-llama 2x4, 16 new tokens, top-k 0",
-        "tiny-llama 2x4, 4 new tokens, weights packed",
+        "tiny-llama decode pass, 8 rows, weights packed",
         "tiny-llama head and sampler",
         *(f"tiny-llama RL step 2x4, 8 + 8 tokens, {kind}: {part}"
           for kind in ("full", "LoRA rank 16")
