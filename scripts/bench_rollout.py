@@ -1,9 +1,12 @@
 """
 Rollout benchmark: the engine against transformers `generate` on the same weights and against this
 machine's measured ceiling, and the pieces around it (batches that shrink, full-vocabulary sampling,
-the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded.
+the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded; and
+SmolLM2-135M's shape, a real model's (--only=smollm2: the engine against transformers; smollm2-step:
+one RL step in its parts, each beside its floor).
 
-    python -m scripts.bench_rollout           # one table, about 7 minutes on 2 CPU cores
+    python -m scripts.bench_rollout           # one table: 7 min on 2 idle cores, + SmolLM2's rows
+    python -m scripts.bench_rollout --only=smollm2,smollm2-step   # SmolLM2-135M's rows alone
     python -m scripts.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
 
 Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
