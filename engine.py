@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from fast.kv_cache import KVCache
+from fast.packed_linear import packed_linears
 from fast.tool_calls import ToolCalls, call_tables
 
 
@@ -316,6 +317,12 @@ class Engine:
         Forced tokens count toward max_new_tokens: each takes a position and a slot of the row's KV cache, which
         max_new_tokens sizes, and the budget then bounds the sequence the loss runs as well.
         """
+        # on the CPU the large matmuls take their weights packed once for the call (fast/packed_linear.py)
+        with packed_linears(self.model, rows=len(prompts) * num_samples):
+            return self._generate(prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop)
+
+    def _generate(self, prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop):
+        """generate's work: parts 1-3 of the class's docstring."""
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
         vocab = self.tokenizer.vocab_size  # a model's embedding table may be padded past it: those rows are not tokens

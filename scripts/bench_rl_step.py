@@ -15,6 +15,7 @@ step_parts: one step in its parts (rollout, reward, update), the update against 
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -27,6 +28,7 @@ import torch
 
 import chat_rl
 from engine import Engine
+from fast import packed_linear
 from scripts import make_demo_model
 from policy.gpt import GPT, GPTConfig
 from tasks import arith
@@ -36,6 +38,11 @@ SHAPES = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True,
                          rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    # HuggingFaceTB/SmolLM2-135M-Instruct: Llama, tied head, no bias, no q/k norm
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, tie_word_embeddings=True, rope_theta=1e5,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5),
     "demo": make_demo_model.CONFIG,
 }
 
@@ -167,6 +174,87 @@ def step_parts(model, n_prompts, samples, new_tokens):
                 update_matmuls=update_matmul_seconds(c, work["positions"], work["kept_tokens"]), **work)
 
 
+def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
+    """
+    One RL step of chat_rl's own functions on prompts (token-id lists) in the four parts a user
+    waits for, each the fastest of `tries` steps (the first also warms the allocator and makes
+    AdamW's state):
+      rollout: Engine.generate, no stop token, so every completion is new_tokens long;
+      log-probs: the loss's training forward (fast_logprobs, which makes the head's gradients in
+        the same pass);
+      backward: the rest of policy_gradient_backward, its loss.backward() through the layers;
+      optimizer: optimizer_step, clipping and AdamW.
+    The parameters that require a gradient train (a LoRA model's: its adapters). The verifier is a
+    coin flip on each completion's tokens, so nearly every group trains. Returns the seconds, the
+    matmul FLOPs of the log-probs and backward passes (pass_flops), the trained parameters and the
+    fp32 matmul rate taken right after the step, over as many FLOPs (matmul_rate).
+    """
+    defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
+    engine = Engine(model, Tokenizer(model.config.vocab_size))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = chat_rl.adamw(trained, lr, defaults["weight_decay"])
+    forward_seconds = []
+
+    def timed_logprobs(*args, **kwargs):
+        t0 = time.perf_counter()
+        logp = chat_rl.fast_logprobs(*args, **kwargs)
+        forward_seconds.append(time.perf_counter() - t0)
+        return logp
+
+    best = dict.fromkeys(("rollout", "logprobs", "backward", "optimizer"), math.inf)
+    for _ in range(tries):
+        model.eval()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, samples, new_tokens, 1.0, 0, seed=0, include_stop=True)
+        t1 = time.perf_counter()
+        flips = [float(coin_flip_grade(str(s), "")) for s in out.sequences]
+        advantages = chat_rl.compute_advantages(torch.tensor(flips), samples, defaults["advantage"])
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        forward_seconds.clear()
+        t2 = time.perf_counter()
+        loss, kept_tokens = chat_rl.policy_gradient_backward(
+            model, out.sequences, out.masks, advantages, samples, len(out.sequences),
+            defaults["loss_norm"], "cpu", device_batch_tokens=defaults["device_batch_tokens"],
+            logprobs=timed_logprobs)
+        t3 = time.perf_counter()
+        chat_rl.optimizer_step(model, optimizer, lr, defaults["grad_clip"], float(loss),
+                               kept_tokens)
+        t4 = time.perf_counter()
+        forward = sum(forward_seconds)
+        parts = {"rollout": t1 - t0, "logprobs": forward, "backward": t3 - t2 - forward,
+                 "optimizer": t4 - t3}
+        best = {name: min(best[name], parts[name]) for name in best}
+    group_kept = advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples) > 0
+    kept = [(s, m) for s, m, k in zip(out.sequences, out.masks, group_kept) if k]
+    flops = pass_flops(model, update_work(model.config, kept, samples))
+    rate = matmul_rate(sum(flops), torch.device("cpu"), torch.float32)
+    return dict(best, logprobs_flops=flops[0], backward_flops=flops[1], gemm_flops=rate,
+                trained_params=sum(p.numel() for p in trained))
+
+
+def pass_flops(model, work):
+    """
+    (log-probs pass, backward pass) matmul FLOPs of an update of update_work's `work`, as
+    fast_logprobs and autograd run them: the head's gradients in the log-probs pass (the hidden
+    states', and the head's own when it trains), attention's backward twice its forward, and no
+    gradient of a frozen weight. A LoRA adapter (policy/lora.py) is two matmuls a position, by its
+    stacked A's and its block-diagonal B's; the backward pass makes their input's gradients and
+    their own.
+    """
+    head_trains = model.lm_head.weight.requires_grad
+    base_trains = model.model.layers[0].mlp.down_proj.weight.requires_grad
+    adapters = 0
+    for m in model.modules():
+        if hasattr(m, "lora"):  # its A's stacked: rows x in; its B's block-diagonal: out x rows
+            rows = sum(a.size(0) for a in m.lora.lora_A.values())
+            adapters += 2 * rows * (m.in_features + m.out_features) * work["positions"]
+    attention = work["attention_flops"]
+    forward = work["body_flops"] + adapters + work["head_flops"] * (2 + head_trains) + attention / 3
+    backward = work["body_flops"] * (1 + base_trains) + 2 * adapters + attention * 2 / 3
+    return forward, backward
+
+
 def update_against_floor(update, work, device, dtype, n=2048, tries=2):
     """
     (seconds of update(), the faster of `tries`; seconds of its FLOPs, update_work's `work`, at this device's matmul
@@ -190,10 +278,33 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
     for _ in range(tries):
         seconds = min(seconds, seconds_of(update))
         for kind, total in flops.items():
-            a = torch.randn(n, n, device=device, dtype=kind)
-            out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
-            rates[kind] = max(rates.get(kind, 0), gemms * 2 * n ** 3 / seconds_of(lambda: [torch.mm(a, a, out=out) for _ in range(gemms)]))
+            rates[kind] = max(rates.get(kind, 0), matmul_rate(total, device, kind, n))
     return seconds, sum(total / rates[kind] for kind, total in flops.items()), rates
+
+
+def matmul_rate(total, device, dtype, n=2048):
+    """
+    FLOP/s of square (n, n) matmuls as many FLOPs long as `total`, into one output (fresh outputs
+    would cost page faults). On an x86 CPU in fp32, the faster of torch's (MKL's) and oneDNN's on a
+    weight packed ahead, the engine's kernel (fast/packed_linear.py): MKL leaves AVX-512 unused on
+    AMD processors, so its rate alone can understate what the machine does.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
+    kernels = [lambda: torch.mm(a, a, out=out)]
+    if packed_linear.can_pack(a):
+        packed = packed_linear.packed_forward(packed_linear.pack(a, n), None)
+        kernels.append(functools.partial(packed, a))
+    best = 0.0
+    for kernel in kernels:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(gemms):
+            kernel()
+        sync()
+        best = max(best, gemms * 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
 
 
 def update_work(c, kept, samples):
@@ -213,6 +324,8 @@ def update_work(c, kept, samples):
     kept_tokens = sum(sum(m[1:]) for _, m in kept)
     return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * kept_tokens, positions=positions,
                 kept_tokens=kept_tokens,
+                body_flops=2 * body * positions,  # the layers' weights, one forward pass
+                head_flops=2 * c.vocab_size * c.hidden_size * kept_tokens,  # the head's, one pass
                 attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs,
                 head_grad_flops=4 * c.vocab_size * c.hidden_size * kept_tokens)
 

@@ -1,9 +1,12 @@
 """
 Rollout benchmark: the engine against transformers `generate` on the same weights and against this
 machine's measured ceiling, and the pieces around it (batches that shrink, full-vocabulary sampling,
-the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded.
+the training log-prob pass, one whole RL step). Random Qwen3-shaped models, nothing downloaded; and
+SmolLM2-135M's shape, a real model's (--only=smollm2: the engine against transformers; smollm2-step:
+one RL step in its parts, each beside its floor).
 
-    python -m scripts.bench_rollout           # one table, about 7 minutes on 2 CPU cores
+    python -m scripts.bench_rollout           # one table: 7 min on 2 idle cores, + SmolLM2's rows
+    python -m scripts.bench_rollout --only=smollm2,smollm2-step   # SmolLM2-135M's rows alone
     python -m scripts.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
 
 Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
@@ -18,16 +21,20 @@ one kernel launch, which at RL's small per-row work is what a decode pass costs.
 """
 
 import argparse
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
 from engine import Engine, next_logits, sample_next_token
+from fast import packed_linear
+from fast.packed_linear import packed_linears
 from policy import lora
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_memory, bench_rl_step, op_count
@@ -42,17 +49,28 @@ CONFIGS = {
                 num_attention_heads=12, num_key_value_heads=4, **QWEN3),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, **QWEN3),
+    "SmolLM2": bench_rl_step.SHAPES["smollm2-135m"],  # SmolLM2-135M-Instruct's shape, Llama
+    # --quick's stand-in for it
+    "tiny-llama": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, rope_theta=1e5),
 }
 FULL_VOCAB = 151936  # Qwen2.5 / Qwen3
 
 
 def measure_machine(quick):
-    n = 512 if quick else 2048
+    """The fp32 GEMM rate of square (n, n) matmuls, the faster of torch's (MKL's) and, on x86,
+    oneDNN's on a packed weight, which the engine's large matmuls use (fast/packed_linear.py), each
+    kept too (0: not on this machine); and the read bandwidth."""
+    n, tries = (512, 3) if quick else (2048, 8)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    gemm = 2 * n ** 3 / best_of(lambda: a @ b, 3 if quick else 8)
+    mkl, onednn = 2 * n ** 3 / best_of(lambda: a @ b, tries), 0.0
+    if packed_linear.can_pack(b):
+        packed = packed_linear.packed_forward(packed_linear.pack(b, n), None)
+        onednn = 2 * n ** 3 / best_of(lambda: packed(a), tries)
     x = torch.randn((2 if quick else 64) * 2 ** 20)  # 8 / 256 MB: well past the caches
-    read = x.numel() * 4 / best_of(lambda: x.sum(), 3 if quick else 8)
-    return SimpleNamespace(gemm_flops=gemm, read_bytes=read)
+    read = x.numel() * 4 / best_of(lambda: x.sum(), tries)
+    return SimpleNamespace(gemm_flops=max(mkl, onednn), mkl_flops=mkl, onednn_flops=onednn,
+                           gemm_size=n, read_bytes=read)
 
 
 def decode_cost(c, rows, context):
@@ -69,11 +87,27 @@ def ceiling_tokens_per_s(c, rows, prompt_len, new_tokens, machine):
     return 1 / (flops / machine.gemm_flops + nbytes / machine.read_bytes)
 
 
+def rollout_floor(c, prompt_len, n_prompts, samples, new_tokens, machine):
+    """Seconds of a rollout at the machine's rates: the prefill's weight matmuls (each prompt once,
+    the head on its last position alone) and every new token at the ceiling."""
+    head = c.vocab_size * c.hidden_size
+    body = decode_cost(c, 1, 0)[0] / 2 - head  # the layers' linear weights
+    prefill = 2 * (body * prompt_len + head) * n_prompts / machine.gemm_flops
+    rows = n_prompts * samples
+    decode = rows * new_tokens / ceiling_tokens_per_s(c, rows, prompt_len, new_tokens, machine)
+    return prefill + decode
+
+
 # ---- engine and transformers, same weights ----------------------------------------------------
 def percent(x):
     """A fraction as a percentage with two significant digits below 10%: tiny --quick shapes sit far below their
     ceiling, and "0%" would hide that a figure was measured at all."""
     return f"{x:.0%}" if x >= 0.1 else f"{x * 100:.2g}%"
+
+
+def duration(seconds):
+    """Seconds as s, or as ms below a tenth of one (--quick's tiny shapes): no figure reads 0."""
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.2g} ms"
 
 
 def random_prompts(n, length, vocab, seed=0):
@@ -119,17 +153,41 @@ def load_transformers(model):
 
 # ---- full-vocabulary sampling against a decode pass --------------------------------------------
 @torch.inference_mode()
-def sampling_vs_decode(config, prompts, samples, prompt_len, tries):
-    """Seconds of one decode pass (prompts x samples rows, one token each, through the model) and of sampling its logits, top-k 0."""
-    model = GPT(GPTConfig(**config)).init_weights(0).eval()
-    vocab = model.config.vocab_size
-    _, cache = Engine(model, Tokenizer(vocab)).prefill(random_prompts(prompts, prompt_len, vocab), samples, tries)
-    token = torch.randint(0, vocab, (prompts * samples,))
-    logits = [None]  # the last step's, (rows, V)
-    decode = best_of(lambda: logits.__setitem__(0, next_logits(model, token, cache)), tries)
-    u = torch.rand(prompts * samples)
+def sampling_vs_decode(model, prompts, samples, prompt_len, tries):
+    """Seconds of one decode pass (prompts x samples rows, one token each, through the model, its
+    Linears packed as the engine runs them), of its head alone, and of sampling its logits, top-k 0:
+    (head, sample, decode)."""
+    vocab, rows = model.config.vocab_size, prompts * samples
+    with packed_linears(model, rows):
+        engine = Engine(model, Tokenizer(vocab))
+        _, cache = engine.prefill(random_prompts(prompts, prompt_len, vocab), samples, tries)
+        token = torch.randint(0, vocab, (rows,))
+        logits = [None]  # the last step's, (rows, V)
+        decode = best_of(lambda: logits.__setitem__(0, next_logits(model, token, cache)), tries)
+        h = torch.randn(rows, 1, model.config.hidden_size)
+        head = best_of(lambda: model.lm_head(h), tries)
+    u = torch.rand(rows)
     sample = best_of(lambda: sample_next_token(logits[0], u, 1.0, 0), tries)
-    return sample, decode
+    return head, sample, decode
+
+
+@torch.inference_mode()
+def packed_vs_plain_decode(model, prompts, samples, prompt_len, tries):
+    """Seconds of one decode pass (prompts x samples rows) with every Linear's weight packed
+    (fast/packed_linear.py; at SmolLM2's shape the engine packs them all) and with MKL's matmuls,
+    in turn, the best of tries each, packing untimed: (packed, plain). Whole rollouts timed one
+    after the other read the shared machine's drift as much as the kernels."""
+    vocab, rows = model.config.vocab_size, prompts * samples
+    engine = Engine(model, Tokenizer(vocab))
+    _, cache = engine.prefill(random_prompts(prompts, prompt_len, vocab), samples, 2 * tries)
+    token = torch.randint(0, vocab, (rows,))
+    decode = lambda: next_logits(model, token, cache)  # noqa: E731
+    packed = plain = math.inf
+    for _ in range(tries):
+        with mock.patch.object(packed_linear, "MIN_WEIGHT", 0), packed_linears(model, rows):
+            packed = min(packed, best_of(decode, 1))
+        plain = min(plain, best_of(decode, 1))
+    return packed, plain
 
 
 # ---- the calculator's cost ------------------------------------------------------------------------
@@ -180,12 +238,92 @@ def tool_overhead(quick, tries):
     return results
 
 
+# ---- a real model's shape: SmolLM2-135M ------------------------------------------------------
+def smollm2_rows(add, quick, prompt_len, new_tokens):
+    """
+    SmolLM2-135M's shape (30 layers x width 576, a 49,152-token vocabulary; tiny-llama when quick),
+    random weights, 16 prompts x 8 samples, top-k 0 as RL samples: the machine's two fp32 GEMMs,
+    oneDNN's and MKL's; the engine against transformers' generate on the same batch, one after the
+    other, and against its ceiling; a decode pass with the weights packed as the engine runs it
+    (packed_vs_plain_decode) against MKL's matmuls; and the share of a pass its head and the sampler
+    take.
+    """
+    name = "tiny-llama" if quick else "SmolLM2"
+    model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
+    c, hf = model.config, load_transformers(model)
+    n_prompts, samples = (2, 4) if quick else (16, 8)
+    prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
+    now = measure_machine(quick)
+    if now.onednn_flops:  # the machine's two fp32 matmuls: the engine's large ones are oneDNN's
+        add(f"fp32 GEMM, {now.gemm_size} x {now.gemm_size}",
+            f"oneDNN, packed: {now.onednn_flops / 1e9:.0f} GFLOP/s",
+            f"MKL (torch.mm): {now.mkl_flops / 1e9:.0f} GFLOP/s",
+            f"{now.onednn_flops / now.mkl_flops:.2f}x", "")
+    ours = engine_tokens_per_s(model, prompts, samples, new_tokens, 0)
+    n, seconds = transformers_tokens_per_s(hf, prompts, samples, new_tokens, 0)
+    del hf
+    case = f"{name} {n_prompts}x{samples}, {new_tokens} new tokens, top-k 0"
+    add(case, f"{ours:,.0f} tok/s", f"transformers {n / seconds:,.0f} tok/s",
+        f"{ours / (n / seconds):.1f}x", ">= 2.5x")
+    ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
+    add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} "
+        f"GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)", percent(ours / ceiling), "")
+    packed, plain = packed_vs_plain_decode(model, n_prompts, samples, prompt_len, 3 if quick else 5)
+    add(f"{name} decode pass, {n_prompts * samples} rows, weights packed", f"{packed * 1e3:.1f} ms",
+        f"MKL's matmuls, in turn: {plain * 1e3:.1f} ms", f"{packed / plain:.2f}x", "")
+    head, sample, decode = sampling_vs_decode(model, n_prompts, samples, prompt_len,
+                                              tries=2 if quick else 3)
+    add(f"{name} head and sampler, {n_prompts * samples} rows, {c.vocab_size:,} columns",
+        f"head {head * 1e3:.1f} ms, sampler {sample * 1e3:.1f} ms / step",
+        f"decode pass {decode * 1e3:.0f} ms", f"{(head + sample) / decode:.0%}", "")
+
+
+def smollm2_step_rows(add, quick):
+    """
+    One RL step at SmolLM2-135M's shape as a laptop run takes it (8 prompts x 8 samples, 35-token
+    prompts, 48-token completions; tiny-llama and less when quick), full fine-tuning, then LoRA rank
+    16 on every projection: each part (bench_rl_step.step_breakdown) beside its floor at the fp32
+    matmul rate taken right after the step and the read bandwidth. Floors: the rollout's
+    (rollout_floor); the log-probs' and the backward pass's matmul FLOPs (bench_rl_step.pass_flops);
+    the optimizer's bytes, 40 a trained parameter (clipping reads each gradient twice and writes it
+    once; AdamW reads the weight, the gradient and both moments and writes three of them).
+    """
+    name = "tiny-llama" if quick else "SmolLM2"
+    n_prompts, samples, prompt_len, new_tokens = (2, 4, 8, 8) if quick else (8, 8, 35, 48)
+    for rank in (0, 16):
+        model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0)
+        if rank:
+            lora.add_adapters(model, rank, 32.0)
+        prompts = random_prompts(n_prompts, prompt_len, model.config.vocab_size)
+        parts = bench_rl_step.step_breakdown(model, prompts, samples, new_tokens, tries=2)
+        rates = SimpleNamespace(gemm_flops=parts["gemm_flops"],
+                                read_bytes=measure_machine(quick).read_bytes)
+        trained = parts["trained_params"]
+        floors = dict(
+            rollout=rollout_floor(model.config, prompt_len, n_prompts, samples, new_tokens, rates),
+            logprobs=parts["logprobs_flops"] / rates.gemm_flops,
+            backward=parts["backward_flops"] / rates.gemm_flops,
+            optimizer=40 * trained / rates.read_bytes)
+        what = dict(rollout="its matmuls and cache reads", backward="its matmuls",
+                    logprobs="its matmuls, the head's gradients too",
+                    optimizer=f"{trained / 1e6:.3g}M parameters' bytes")
+        kind = f"LoRA rank {rank}" if rank else "full"
+        for part, floor in floors.items():
+            add(f"{name} RL step {n_prompts}x{samples}, {prompt_len} + {new_tokens} tokens, "
+                f"{kind}: {part.replace('logprobs', 'log-probs')}", duration(parts[part]),
+                f"floor {duration(floor)}, {what[part]}", percent(floor / parts[part]), "")
+        step, floor = sum(parts[part] for part in floors), sum(floors.values())
+        add(f"{name} RL step {n_prompts}x{samples}, {kind}: whole step", duration(step),
+            f"floor {duration(floor)} ({rates.gemm_flops / 1e9:.0f} GFLOP/s, "
+            f"{rates.read_bytes / 1e9:.0f} GB/s)", percent(floor / step), "")
+
+
 # ---- the table --------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
     p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
-                                           "lora, tool (default all)")
+                                           "lora, smollm2, smollm2-step, tool (default all)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
@@ -254,7 +392,9 @@ def main(argv=None):
     if wanted("sampling"):  # full-vocabulary sampling against a decode pass
         config = dict(CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1))
         prompts, samples = (2, 8) if quick else (16, 16)
-        sample, decode = sampling_vs_decode(config, prompts, samples, prompt_len, tries=2 if quick else 3)
+        model = GPT(GPTConfig(**config)).init_weights(0).eval()
+        tries = 2 if quick else 3
+        _, sample, decode = sampling_vs_decode(model, prompts, samples, prompt_len, tries)
         add(f"sampling {config['vocab_size']:,} columns, {prompts * samples} rows, top-k 0", f"{sample * 1e3:.1f} ms / step",
             f"decode pass {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
     if wanted("logprob"):  # the training log-prob pass
@@ -283,6 +423,10 @@ def main(argv=None):
                 speeds[name] = max(speeds[name], engine_tokens_per_s(m, prompts, samples, new_tokens, top_k))
         add(f"LoRA rank 16, every projection, {len(prompts)}x{samples}", f"{speeds['lora']:,.0f} tok/s",
             f"the base alone: {speeds['base']:,.0f} tok/s", f"{speeds['lora'] / speeds['base']:.2f}x", "")
+    if wanted("smollm2"):  # SmolLM2-135M's shape: the engine against transformers and its ceiling
+        smollm2_rows(add, quick, prompt_len, new_tokens)
+    if wanted("smollm2-step"):  # SmolLM2-135M's shape: one RL step in its parts, full and LoRA
+        smollm2_step_rows(add, quick)
     if wanted("tool"):  # the calculator on against off, on the demo's policy
         for label, (calls, on, off) in zip(("as it starts", "every row calling"), tool_overhead(quick, tries=2 if quick else 5)):
             add(f"calculator on, demo model, {label}, {calls:.1f} calls a row", f"{on:,.0f} tok/s", f"calculator off: {off:,.0f} tok/s",

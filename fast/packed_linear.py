@@ -1,0 +1,77 @@
+"""
+The engine's large matmuls on the CPU, with their weights packed once per generate call.
+
+A decode pass multiplies a few hundred rows at most by each weight: x (rows, in) @ W.T. torch's
+fp32 Linear calls MKL's GEMM, which copies W into its kernel's layout at every call (SmolLM2-135M's
+49k x 576 head: 113 MB read and written again at every position) and, on AMD processors, runs
+without AVX-512. oneDNN (the library behind torch.compile's CPU matmuls) takes the weight packed
+ahead, once, and uses the CPU's widest vectors. The sums come out in another order, so the logits
+move in their last bits, as they do with the batch's size; the tests hold the packed engine to the
+reference sampler (tests/test_packed_linear.py). docs/benchmarks.md has what it gains.
+
+packed_linears(model) changes nothing else about an nn.Linear, and only where it pays: on an x86
+CPU, in fp32, for weights of at least MIN_WEIGHT entries. Below that (the demo's 128-wide model)
+MKL is as fast, and small models keep their exact numbers. The packed copies live for one generate
+call, one more copy of those weights in memory while the engine samples, packed again at every
+call since training changes the weights between calls.
+"""
+
+import platform
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+MIN_WEIGHT = 2 ** 18  # entries of a weight worth packing: 1 MiB in fp32
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def can_pack(weight):
+    """Whether oneDNN's packed matmul serves weight: fp32 on an x86 CPU (on ARM torch's own matmuls
+    use other libraries), a plain tensor (not FSDP's sharded one), outside CPU autocast (which casts
+    the weight itself), oneDNN built into torch."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and type(weight.data) is torch.Tensor and not torch.is_autocast_enabled("cpu")
+            and X86 and torch.backends.mkldnn.is_available())
+
+
+def packable(linear):
+    """Whether packed_linears packs linear: can_pack, MIN_WEIGHT entries or more, unpatched."""
+    w = linear.weight
+    return can_pack(w) and w.numel() >= MIN_WEIGHT and "forward" not in vars(linear)
+
+
+def pack(weight, rows):
+    """weight (out, in) -> its packed copy for packed_forward; rows: x's rows, a layout hint."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def packed_forward(packed, bias):
+    """x (..., in) -> x @ W.T + bias, the matmul oneDNN's, on W packed by pack()."""
+    def forward(x):
+        if x.dtype != torch.float32:  # can_pack let in fp32 weights only, outside autocast
+            raise TypeError(f"a packed Linear takes fp32 inputs, not {x.dtype}")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return forward
+
+
+@contextmanager
+def packed_linears(model, rows=128):
+    """
+    Within the block, each packable Linear of model multiplies by its weight packed once on entry
+    (rows: the batch's rows, a hint for the layout; any count of rows works). Forward hooks (LoRA's
+    adapters) still run on its output. On exit every Linear is as it was, the packed copies freed.
+    """
+    patched = []
+    try:
+        with torch.no_grad():
+            for linear in model.modules():
+                if isinstance(linear, nn.Linear) and packable(linear):
+                    bias = None if linear.bias is None else linear.bias.detach()
+                    # an instance attribute shadows nn.Linear.forward; the module's hooks still run
+                    linear.forward = packed_forward(pack(linear.weight, rows), bias)
+                    patched.append(linear)
+        yield
+    finally:
+        for linear in patched:
+            del linear.forward
