@@ -128,8 +128,8 @@ def test_log_probs_told_their_gradient_give_the_weighted_nlls_value_and_gradient
 
 
 def test_log_probs_told_another_gradient_make_the_head_gradients_again_for_what_arrives():
-    # a guess that misses (the loss sends back twice the gradient it was told): SampledLogprobs drops
-    # what it made and projects each chunk again, ChunkedNLL's way, in fp32 and under bf16 autocast
+    # a guess that misses (the loss sends back twice the gradient it was told): SampledLogprobs
+    # drops what it made and projects each chunk again, ChunkedNLL's way, in fp32 and under bf16
     idx, targets = batch()
     valid = targets >= 0
     weights = torch.randn(3, 24, generator=torch.Generator().manual_seed(2))[valid]
@@ -140,7 +140,8 @@ def test_log_probs_told_another_gradient_make_the_head_gradients_again_for_what_
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 h = model.hidden_states(idx)[valid]
                 if fused:
-                    logp = SampledLogprobs.apply(h, model.lm_head.weight, targets[valid], weights, 7, 0.7)
+                    logp = SampledLogprobs.apply(h, model.lm_head.weight, targets[valid], weights,
+                                                 7, 0.7)
                 else:
                     logp = -token_nll(h, model.lm_head.weight, targets[valid], 7, 0.7)
                 (2 * weights * logp).sum().backward()
