@@ -21,7 +21,8 @@ laptop there is one rank.
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
      A = 0 everywhere. It carries no gradient, so it is dropped before the training forward pass.
-  5. Loss (policy_gradient_backward). Over the step's completions i on all ranks, and the tokens S_i each sampled:
+  5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
+     completions i on all ranks, and the tokens S_i each sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
      logp_it is the token's log-probability under softmax(logits / temperature), the distribution it was drawn
      from. (--top-k > 0 truncates that distribution, which the loss does not model: keep it 0.) N_i depends on
@@ -30,8 +31,9 @@ laptop there is one rank.
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of all C
   6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW takes one step,
-     unless the loss or the gradient is not finite, or no group was kept. The learning rate falls linearly: step s
-     uses lr x (1 - s / num_steps), lr being --lr (--lora-lr with LoRA).
+     unless the loss or the gradient is not finite, or no row was kept (rows_with_gradient). The
+     learning rate falls linearly: step s uses lr x (1 - s / num_steps), lr being --lr (--lora-lr
+     with LoRA).
   7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
 Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): the RL above does not depend on
 how they work.
@@ -39,8 +41,11 @@ how they work.
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
      in memory and a second forward pass; with a verifier as the reward, there is no reward model to over-optimise.
+     (--kl-beta brings it back: k3 to the frozen starting policy, logged as kl.)
   2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated and used for
      exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
+     (--ppo-epochs=2 brings them back: two updates on each rollout, the second with the ratio
+     clipped to --clip-eps, --clip-eps-high; clip_frac counts clipped tokens, in the first none.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up near-unanimous
      groups into full-size updates (`--advantage=zscore` brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever its completion's
@@ -58,6 +63,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 # torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several times over
 # (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set before that, unless the user has
@@ -67,14 +73,14 @@ from tqdm import tqdm
 
 from calculator import calculate
 from engine import Engine
-from fast.logprobs import fast_logprobs, micro_batches
+from fast.logprobs import Guess, RolloutLogprobs, fast_logprobs, micro_batches
 from plumbing import checkpoint, fsdp
 from plumbing.data import derive_seed, load_data, problems_for_step, rows_fingerprint
 from plumbing.distributed import all_reduce_sum, restart_count, sync_gradients
 from plumbing.flags import RunError, load_task, run
 from plumbing.metrics import (Eta, MetricsLog, all_rewards_failed, check_nonfinite, console_line,
-                              eval_line, report_reward_errors, reward_errors_line, start_line,
-                              step_metrics, stop_line)
+                              eval_line, per_token, report_reward_errors, reward_errors_line,
+                              start_line, step_metrics, stop_line)
 from plumbing.stop import NEVER, StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
@@ -102,6 +108,10 @@ HYPERPARAMETERS = dict(
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
     loss_norm=("all_tokens", "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
     mask_truncated=(False, "cut-off completions (no stop token within max_new_tokens) train no token"),
+    kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy per sampled token; 0 = off"),
+    ppo_epochs=(1, "updates on each rollout; > 1: PPO's clipped ratio in the loss"),
+    clip_eps=(0.2, "--ppo-epochs > 1: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]"),
+    clip_eps_high=(-1.0, "-1 = --clip-eps; above it: DAPO's clip-higher (its 0.28)"),
     logprobs=("fast", "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
     format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
@@ -207,41 +217,96 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
+def objective(logp, batch):
+    """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy
+    bonus, GSPO's ratio, ...). logp (B, T): the policy's log-probs of the rows' tokens, 0 where
+    not sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T), the flags kl_beta,
+    ppo_epochs, clip_eps, clip_eps_high; ref_logp (B, T), the reference's (--kl-beta); old_logp
+    (B, T), the sampling policy's after --ppo-epochs' first update (None before it: these weights
+    sampled the rows). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
+    the train row as a mean per token. Both --logprobs paths take any such function's gradient."""
+    A, N, sampled = batch.advantages[:, None], batch.normaliser[:, None], batch.sampled
+    stats = {}
+    if batch.ppo_epochs == 1:  # REINFORCE, linear in logp: a sampled token's weight is -A_i / N_i
+        weight = -(A / N) * sampled  # (B, T), 0 where not sampled
+        loss = (weight * logp).sum()
+    else:  # PPO's clipped surrogate token by token (TRL's "dapo"), ratio 1 until the first update
+        old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
+        ratio = torch.exp(logp - old_logp)
+        clipped = ratio.clamp(1 - batch.clip_eps, 1 + batch.clip_eps_high)
+        loss = -(torch.minimum(ratio * A, clipped * A) * sampled / N).sum()
+        stats["clip_frac"] = (clipped * A < ratio * A)[sampled].sum()  # the clip holds the ratio
+    if batch.kl_beta > 0:  # k3, an estimate of KL(policy || reference) per sampled token, >= 0
+        log_ratio = batch.ref_logp - logp
+        k3 = torch.exp(log_ratio) - log_ratio - 1
+        loss = loss + batch.kl_beta * (k3 * sampled / N).sum()
+        stats["kl"] = k3.detach()[sampled].sum()
+    return loss, stats
+
+
+def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
+    """(rows,) True for the completions whose tokens carry gradient: the objective's call, which
+    the loss's passes, kept_tokens and the update's skip follow. The policy gradient's are the
+    groups with a nonzero advantage (a unanimous group's are exactly 0: compute_advantages); a
+    KL term pulls on every row, a unanimous group's too."""
+    if kl_beta > 0:
+        return torch.ones(len(advantages), dtype=torch.bool)
+    return (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
+
+
+OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)  # objective()'s flags, off
+
+
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size, loss_norm, device,
                              autocast=nullcontext(), device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
-                             vocab_size=None):
-    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the step's loss L, and
-    return (that share, the sampled tokens of the kept groups on all ranks). N_i is counted on all ranks, so the
-    shares of micro-batches and ranks sum to L however the step is split, and the gradients sum to L's gradient."""
+                             vocab_size=None, options=OFF, reference=None, saved=None, stats=None):
+    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the
+    step's loss L, and return (that share, the sampled tokens of the kept rows on all ranks). N_i
+    is counted on all ranks, so the shares of micro-batches and ranks sum to L however the step is
+    split, and the gradients sum to L's gradient. options: objective()'s flags; reference: opens
+    a block yielding the frozen starting policy (--kl-beta); saved: each row's log-probs across
+    --ppo-epochs (fast/logprobs.RolloutLogprobs); stats: objective()'s, added in."""
     sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask is 1 where the policy sampled
-    # a unanimous group's advantages are exactly 0 (compute_advantages): the groups kept are the others
-    kept = (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
+    kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     counts = torch.stack([sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))])
     kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
-    if kept_tokens == 0:  # no kept group on any rank: nothing carries gradient
+    if kept_tokens == 0:  # no kept row on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
     normaliser = {"all_tokens": torch.full_like(sampled_tokens, all_tokens),  # N_i of each of this rank's completions
                   "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
                   "sequence": completions * sampled_tokens.clamp(min=1)}[loss_norm]
-    # unanimous groups add 0: dropped before any pass; the rest in passes of at most device_batch_size rows and
-    # device_batch_tokens tokens, in the order the fast path runs cheapest
+    # rows without gradient add 0: dropped before any pass; the rest in passes of at most
+    # device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples, device_batch_size,
                             device_batch_tokens)
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: every rank the same passes, or its gathers hang
-    loss_sum = torch.zeros((), device=device)
+    saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
+    guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        sampled = targets >= 0
-        # the loss is linear in logp: sum(weight * logp), a sampled token's weight -advantage / normaliser of its row
-        weight = -(advantages[rows] / normaliser[rows]).to(device)[:, None] * sampled  # (B, T), 0 where not sampled
-        # loss_grad=weight tells the fast path d loss / d logp ahead, so it makes the head's gradients in its forward
-        # pass; loss.backward() then hands those over, once, instead of making them (it raises if what arrives is not
-        # weight). A loss not linear in logp (a ratio, a KL): pass loss_grad=None, which both paths take.
+        batch = SimpleNamespace(**options, sampled=targets >= 0,
+                                advantages=advantages[rows].to(device),
+                                normaliser=normaliser[rows].to(device),
+                                old_logp=saved.get("old_logp", rows),
+                                ref_logp=saved.get("ref_logp", rows))
+        if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
+            with torch.no_grad(), autocast, reference() as frozen:
+                batch.ref_logp = logprobs(frozen, inputs, targets, temperature,
+                                          vocab_size=vocab_size)
+            saved.put("ref_logp", rows, batch.ref_logp, sequences)
+        # d loss / d logp guessed from the objective, for the fast path to make the head's
+        # gradients in its forward pass (exact for a loss linear in logp; others: made again)
+        loss_grad = guess(batch)
         with autocast:
-            logp = logprobs(model, inputs, targets, temperature, loss_grad=weight, vocab_size=vocab_size)
-        loss = (weight * logp).sum()  # either path: plain_logprobs' value and gradient (tests/test_fast_logprobs.py)
+            logp = logprobs(model, inputs, targets, temperature, loss_grad=loss_grad,
+                            vocab_size=vocab_size)
+        loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
         loss.backward()
         loss_sum += loss.detach()
+        if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
+            saved.put("old_logp", rows, logp, sequences)
+        for name, value in batch_stats.items():
+            stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
 
 
@@ -360,6 +425,9 @@ def train(cfg, rank, world, device):
     peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], peak_lr, cfg.weight_decay)  # LoRA: adapters only
     checkpoint.restore(state, model, optimizer, rank)  # AdamW's state and the RNGs of a resumed run; a fresh run: none
+    options = dict(kl_beta=cfg.kl_beta, ppo_epochs=cfg.ppo_epochs, clip_eps=cfg.clip_eps,
+                   clip_eps_high=cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high)
+    reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # trained weights fp32
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg))
     print0(start_line(cfg, model, world, device, start_step, num_steps, resumed=state is not None))
@@ -407,25 +475,39 @@ def train(cfg, rank, world, device):
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
         model.train()
-        # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone
-        with stop.abandonable(model, unless=cfg.fsdp):
-            loss, kept_tokens = policy_gradient_backward(                                  # 5.
-                model, out["sequences"], masks, advantages, num_samples=cfg.num_samples,
-                loss_norm=cfg.loss_norm, device_batch_size=cfg.device_batch_size,
-                device_batch_tokens=cfg.device_batch_tokens, device=device, autocast=autocast,
-                temperature=cfg.temperature, vocab_size=tokenizer.vocab_size,
-                logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs)
-        if stop.requested(device):
-            break
-        sync_gradients(model)  # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
-        loss = float(all_reduce_sum(loss.detach()))  # each rank's share of the step's loss, summed
         lr = peak_lr * (1 - step / num_steps)  # linear decay: the last update at peak_lr / num_steps
-        grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
+        saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
+        for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
+            optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
+            # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone;
+            # after the first update a stop waits for the step's end (the weights have moved)
+            with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
+                loss, kept_tokens = policy_gradient_backward(                              # 5.
+                    model, out["sequences"], masks, advantages, num_samples=cfg.num_samples,
+                    loss_norm=cfg.loss_norm, device_batch_size=cfg.device_batch_size,
+                    device_batch_tokens=cfg.device_batch_tokens, device=device, autocast=autocast,
+                    temperature=cfg.temperature, vocab_size=tokenizer.vocab_size,
+                    logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
+                    options=options, reference=reference, saved=saved, stats=stats)
+            if epoch == 0 and stop.requested(device):
+                break
+            # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
+            sync_gradients(model)
+            loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
+            grad_norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss,
+                                               kept_tokens)
+            updates.append((loss, grad_norm))
+            if not finite:  # the next epoch would meet the same weights and rollout
+                break
+        if not updates:  # a stop came during the first epoch's passes
+            break
+        loss, grad_norm = (sum(u[1:], u[0]) / len(u) for u in zip(*updates))  # the epochs' mean
         # non-finite updates in a row: max_nonfinite of them stop the run (a step with nothing kept leaves the count)
         nonfinite_in_row = check_nonfinite(finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0)
         row = step_metrics(step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
                            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
-                           state_mib=fsdp.state_bytes(model, optimizer) / 2**20)
+                           state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
+                           **per_token(stats, kept_tokens * len(updates), device))
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))

@@ -7,13 +7,17 @@ tests/test_fast_logprobs.py. What it does differently, and why:
          often longer than their answers); a row keeps only its own tokens
       -> model.hidden_states(..., SharedPrefix): the prefixes and the rows' own tokens as one flat sequence,
          attention put back into padded slots (SharedPrefix, below)
-      -> SampledLogprobs: the head chunk by chunk, never all (tokens, vocabulary) logits at once; and, since the
-         loss is linear in the log-probs and loss_grad says what gradient it will send back, the head's
-         gradients made in the same pass over each chunk's logits, not by projecting again in the backward pass
+      -> SampledLogprobs: the head chunk by chunk, never all (tokens, vocabulary) logits at once;
+         and, given loss_grad, a guess of the gradient the loss will send back to the log-probs,
+         the head's gradients made in the same pass over each chunk's logits, not by projecting
+         again in the backward pass
 
+Guess makes loss_grad from chat_rl.objective itself: exact for a loss linear in the log-probs (the
+default), whose head is then projected once; for another (a KL term, a ratio) the backward pass
+finds the guess wrong and projects again, as token_nll does: any objective gets its own gradient.
 token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised training), whose
 gradient is not known in advance: its backward pass projects each chunk again. micro_batches orders the rows and
-bounds those of one forward/backward pass.
+bounds those of one pass; RolloutLogprobs keeps their log-probs across --ppo-epochs.
 """
 
 import torch
@@ -25,9 +29,10 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out -> logp (B, T) fp32, the
     log-probability under softmax(logits / temperature) of each target, 0 where targets is -1, the softmax over the
     head's first vocab_size rows (None: all of them).
-    loss_grad (B, T): the gradient the loss will send back to logp (for chat_rl's loss, -advantage / normaliser
-    on each sampled token). Given, the head's gradients are made in the forward pass, and the backward pass checks
-    that what arrives is that gradient; None: the head is projected again in the backward pass (token_nll).
+    loss_grad (B, T): a guess of the gradient the loss will send back to logp (Guess). Given, the
+    head's gradients are made for it in the forward pass, handed over if the gradient that arrives
+    is that one, made again for the one that arrives if not; None: the head is projected again in
+    the backward pass (token_nll).
     """
     prefix_ids, prefix_lengths, row_prefix, own_inputs, own_targets = make_shared_batch(inputs, targets)
     layout = SharedPrefix(model.rope, prefix_ids, prefix_lengths, row_prefix, own_targets)
@@ -107,27 +112,43 @@ class ChunkedNLL(torch.autograd.Function):
             lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
             nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk, ctx.temperature = chunk, temperature
-        device = h.device.type
-        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
+        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast_state(h.device.type)
         return nll
 
     @staticmethod
     def backward(ctx, grad_nll):
         h, weight, targets, lse = ctx.saved_tensors
-        # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the
-        # gradient matmuls write fp32; the gradients go back in their inputs' dtypes at the end
-        grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, device=h.device) if ctx.needs_input_grad[1] else None
-        for s in range(0, h.size(0), ctx.chunk):
-            rows = slice(s, s + ctx.chunk)
-            with torch.autocast(**ctx.autocast):
-                logits = F.linear(h[rows] / ctx.temperature, weight).float()
-            probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
-            add_chunk_grads(probs, targets[rows], grad_nll[rows] / ctx.temperature, h[rows], weight,
-                            None if grad_h is None else grad_h[rows], grad_w)
-        return (None if grad_h is None else grad_h.to(h.dtype),
-                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
+        grads = nll_grads(h, weight, targets, lse, grad_nll, ctx.chunk, ctx.temperature,
+                          ctx.autocast, ctx.needs_input_grad[:2])
+        return (*grads, None, None, None)
+
+
+def nll_grads(h, weight, targets, lse, grad_nll, chunk, temperature, autocast, needed):
+    """
+    ChunkedNLL's backward pass: the gradients of sum_i grad_nll_i * NLL_i with respect to h (N, C)
+    and the head's weight (V, C), each None unless `needed` says so, from the forward pass's
+    log-sum-exp lse (N,). Each chunk's logits are made again, as the forward pass made them (under
+    `autocast`, the settings it ran under).
+    """
+    # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the
+    # gradient matmuls write fp32; the gradients go back in their inputs' dtypes at the end
+    grad_h = torch.empty(h.shape, device=h.device) if needed[0] else None
+    grad_w = torch.zeros(weight.shape, device=h.device) if needed[1] else None
+    for s in range(0, h.size(0), chunk):
+        rows = slice(s, s + chunk)
+        with torch.autocast(**autocast):
+            logits = F.linear(h[rows] / temperature, weight).float()
+        probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
+        add_chunk_grads(probs, targets[rows], grad_nll[rows] / temperature, h[rows], weight,
+                        None if grad_h is None else grad_h[rows], grad_w)
+    return (None if grad_h is None else grad_h.to(h.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype))
+
+
+def autocast_state(device):
+    """What torch.autocast(**autocast_state(device)) needs to run as the current pass runs."""
+    return dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                enabled=torch.is_autocast_enabled(device))
 
 
 def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):
@@ -154,17 +175,19 @@ class SampledLogprobs(torch.autograd.Function):
     forward: each chunk's logits z / T once: their log-sum-exp and the targets' log-probs, and in place
     d logp / d z, whose products with the head and the hidden states are the gradients (add_chunk_grads), kept
     for the backward pass. ChunkedNLL's backward makes every chunk's logits a second time, a third of the head's
-    matmul work; this costs the gradient buffers from the forward pass on (grad_h the size of h, which is not
-    kept; the head's (V, C), which the backward pass makes anyway).
-    backward: the gradients made in the forward pass, once it has checked that the incoming gradient is the one
-    they were made for.
+    matmul work; this costs the gradient buffers from the forward pass on (grad_h the size of h; the
+    head's (V, C), which the backward pass makes anyway) and h itself, kept for the case below.
+    backward: the gradients made in the forward pass, if the incoming gradient is exactly loss_grad
+    (as it is for a loss linear in logp, whose gradient is the same everywhere); if not, those are
+    dropped and the incoming one's made as ChunkedNLL's backward makes them, from h and the
+    log-sum-exp: never a wrong gradient, at the cost of the head's matmuls once more.
     """
 
     @staticmethod
     def forward(ctx, h, weight, targets, loss_grad, chunk, temperature):
         grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
-        logp = torch.empty(h.size(0), device=h.device)
+        logp, lse = torch.empty(h.size(0), device=h.device), torch.empty(h.size(0), device=h.device)
         # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
         for s in range(0, h.size(0), chunk):
@@ -180,21 +203,86 @@ class SampledLogprobs(torch.autograd.Function):
             exp = logits.sub_(top[:, None]).exp_()
             total = exp.sum(dim=-1)
             logp[rows] = target_logits - top - total.log()
+            lse[rows] = top + total.log()
             # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient with scale -g / T
             add_chunk_grads(exp, targets[rows], -loss_grad[rows] / temperature, h[rows], weight,
                             None if grad_h is None else grad_h[rows], grad_w, total=total)
-        ctx.grads, ctx.loss_grad, ctx.h_dtype, ctx.w_dtype = (grad_h, grad_w), loss_grad, h.dtype, weight.dtype
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.grads, ctx.loss_grad = (grad_h, grad_w), loss_grad
+        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast_state(h.device.type)
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
-        if not torch.allclose(grad_logp, ctx.loss_grad, rtol=1e-5, atol=0.0):
-            raise RuntimeError("fast_logprobs made its gradients for loss_grad, but the loss sent back another gradient: "
-                               "pass as loss_grad what the loss sends back (its d loss / d logp), or use plain_logprobs")
+        h, weight, targets, lse = ctx.saved_tensors
         grad_h, grad_w = ctx.grads
         del ctx.grads  # they are handed over once: a second backward pass through the same forward has none
-        return (None if grad_h is None else grad_h.to(ctx.h_dtype),
-                None if grad_w is None else grad_w.to(ctx.w_dtype), None, None, None, None)
+        if torch.equal(grad_logp, ctx.loss_grad):
+            grads = (None if grad_h is None else grad_h.to(h.dtype),
+                     None if grad_w is None else grad_w.to(weight.dtype))
+        else:  # not the gradient guessed (the loss is not linear in logp): its own, made again
+            del grad_h, grad_w
+            grads = nll_grads(h, weight, targets, lse, -grad_logp, ctx.chunk, ctx.temperature,
+                              ctx.autocast, ctx.needs_input_grad[:2])  # logp = -NLL
+        return (*grads, None, None, None, None)
+
+
+class Guess:
+    """
+    fast_logprobs' loss_grad through one call of chat_rl.policy_gradient_backward, from the
+    objective itself: autograd's gradient of objective(x, batch) at a stand-in x for the log-probs
+    about to be computed (the sampling policy's, batch.old_logp, where the batch has them; else
+    zeros). For an objective linear in logp, chat_rl's default, that is its gradient at every x,
+    so the guess is exact to the bit. For another it misses and SampledLogprobs makes the
+    gradients again; watch() sees the miss, and the passes after it are told no guess (the head
+    projected again in their backward pass, less work than a forward pass's gradients thrown away).
+    """
+
+    def __init__(self, objective):
+        self.objective, self.missed = objective, False
+
+    def __call__(self, batch):
+        if self.missed:
+            return None
+        x = batch.old_logp
+        if x is None:
+            x = torch.zeros(batch.sampled.shape, device=batch.sampled.device)
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            loss, _ = self.objective(x, batch)
+            grad = torch.autograd.grad(loss, x, allow_unused=True)[0]
+        return torch.zeros_like(x) if grad is None else grad
+
+    def watch(self, logp, guess):
+        """logp, on which a hook compares the gradient that arrives with the guess."""
+        def compare(grad):
+            self.missed = self.missed or not torch.equal(grad, guess)
+
+        if guess is not None and logp.requires_grad:
+            logp.register_hook(compare)
+        return logp
+
+
+class RolloutLogprobs:
+    """
+    Rows' log-probs kept across the epochs of one rollout (--ppo-epochs, --kl-beta), by name: the
+    sampling policy's (old_logp, from the first epoch's own pass: the weights have not moved yet,
+    so no extra pass) and the reference's (ref_logp, one no-grad pass a row, not one an epoch).
+    """
+
+    def __init__(self):
+        self.rows = {}  # (name, row) -> the row's log-probs (len(sequence) - 1,)
+
+    def get(self, name, rows):
+        """(B, T) of the rows, right-padded with 0 to the longest (make_batch's T); None if any
+        is not kept yet."""
+        if not all((name, i) in self.rows for i in rows):
+            return None
+        return torch.nn.utils.rnn.pad_sequence([self.rows[name, i] for i in rows], batch_first=True)
+
+    def put(self, name, rows, logp, sequences):
+        for b, i in enumerate(rows):
+            self.rows[name, i] = logp[b, :len(sequences[i]) - 1].detach()
 
 
 def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):

@@ -20,6 +20,8 @@ import json
 import os
 import re
 import shutil
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,10 @@ from policy.tokenizer import load_tokenizer
 # (--fsdp and --activation-checkpointing change where the memory goes, --logprobs how the loss is computed, not what)
 MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
               "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing", "logprobs"}
+
+# settings younger than some checkpoints, and what the runs that saved those computed with
+ADDED = {"mask_truncated": False, "kl_beta": 0.0, "ppo_epochs": 1, "clip_eps": 0.2,
+         "clip_eps_high": -1.0}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above plumbing/
 
@@ -94,6 +100,26 @@ def build_policy(cfg, state, device, dtype=None):
     if state and cfg.lora_rank:
         lora.load_adapter(model, os.path.join(state["model_dir"], "adapter"))
     return model, tokenizer
+
+
+def reference_policy(cfg, model, state, device):
+    """--kl-beta's reference, the frozen starting policy, as a function that opens a block yielding
+    the model to run it with: with LoRA the policy itself, its adapters off (lora.adapters_off: the
+    base, no second model); otherwise a frozen copy of the run's --model, the first start's on
+    resume (never the checkpoint: the reference stays where the run started). None without it."""
+    if cfg.kl_beta == 0:
+        return None
+    if lora.has_adapters(model):  # from a PEFT adapter: the KL to its base, as TRL measures it
+        if lora.whole_modules(model):
+            raise ConfigError("--kl-beta with LoRA measures the KL to the base, adapters off; "
+                              "the embeddings or head it trains whole have no base left: drop "
+                              "them from --lora-targets")
+        return lambda: lora.adapters_off(model)
+    start = SimpleNamespace(**vars(cfg))
+    start.model = state["config"]["model"] if state else cfg.model
+    frozen, _ = build_policy(start, None, device)
+    frozen.requires_grad_(False)
+    return lambda: nullcontext(frozen)
 
 
 def lora_base(cfg, adapter_dir):
@@ -243,7 +269,7 @@ def find_resumable(cfg, world):
     except Exception as e:
         raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
                           f"move it away to resume from an earlier one") from None
-    saved = state["config"]
+    saved = {**ADDED, **state["config"]}
     if saved.get("loss_norm") == "token":  # kept_tokens' name in earlier checkpoints: the same computation
         saved = {**saved, "loss_norm": "kept_tokens"}
     differs = [k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)]

@@ -194,6 +194,7 @@ def check_config(cfg, world_size):
         raise ConfigError("--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too")
     if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
         raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
+    check_objective(cfg)
     check_model_path(cfg.model)
     for name, parameter in inspect.signature(generic.make).parameters.items():  # the generic task's options
         if cfg.task != "data" and getattr(cfg, name) != parameter.default:
@@ -213,6 +214,22 @@ def check_config(cfg, world_size):
     if cfg.eval_data and not cfg.data:
         raise ConfigError("--eval-data names the held-out rows of --data: give --data too")
     load_task(cfg)  # a user's task or reward that cannot be loaded stops the run here, before any data or model
+
+
+def check_objective(cfg):
+    """--kl-beta, --ppo-epochs and the clip (chat_rl.objective)."""
+    if not (math.isfinite(cfg.kl_beta) and cfg.kl_beta >= 0):
+        raise ConfigError(f"--kl-beta must be a finite number >= 0 (0 = off), got {cfg.kl_beta}")
+    if cfg.ppo_epochs < 1:
+        raise ConfigError(f"--ppo-epochs must be >= 1 (1 update a rollout), got {cfg.ppo_epochs}")
+    if not 0 <= cfg.clip_eps < 1:  # 1 - clip_eps bounds a ratio, which is > 0
+        raise ConfigError(f"--clip-eps must be in [0, 1), got {cfg.clip_eps}")
+    if cfg.clip_eps_high != -1 and not 0 <= cfg.clip_eps_high < math.inf:
+        raise ConfigError(f"--clip-eps-high must be -1 (= --clip-eps) or a finite number >= 0, "
+                          f"got {cfg.clip_eps_high}")
+    if cfg.kl_beta > 0 and cfg.fsdp:
+        raise ConfigError("--kl-beta with --fsdp is not built: its frozen reference would be "
+                          "a whole, unsharded copy of the model on every rank")
 
 
 def load_task(cfg):

@@ -9,6 +9,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 
 from plumbing.distributed import all_reduce_sum
 from plumbing.flags import RunError
@@ -32,6 +33,20 @@ def step_metrics(step, out, t_rollout, device, world, **values):
     if device.type == "cuda":
         row["peak_mem_gb"] = peak_memory_gb(device)
     return {k: _json_number(v) for k, v in row.items()}
+
+
+def per_token(sums, tokens, device):
+    """The objective's stats (chat_rl.objective: name -> a sum over this rank's sampled tokens), as
+    means per token over all ranks; tokens: the kept tokens of all ranks times the step's updates.
+    A rank that ran no pass has none: every rank's names are gathered first."""
+    names = sorted(sums)
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        names = sorted(set().union(*every))
+    totals = torch.tensor([float(sums.get(name, 0.0)) for name in names], dtype=torch.float64)
+    totals = all_reduce_sum(totals.to(device)).tolist() if names else []
+    return {name: total / max(tokens, 1) for name, total in zip(names, totals)}
 
 
 def peak_memory_gb(device):

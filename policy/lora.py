@@ -29,6 +29,7 @@ beside it, a decode pass runs two small matmuls more per adapted Linear (docs/be
 import json
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -50,6 +51,7 @@ class Adapter(nn.Module):
     def __init__(self, in_features, parts, targets, rank, alpha, generator):
         super().__init__()
         self.widths, self.scale = dict(parts), alpha / rank
+        self.off = False  # adapters_off(): the Linear's output is the base's alone
         adapted = [name for name in parts if name in targets]
         self.lora_A = nn.ParameterDict({name: nn.Parameter(torch.empty(rank, in_features)) for name in adapted})
         self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.zeros(parts[name], rank)) for name in adapted})
@@ -102,7 +104,23 @@ def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
 
 
 def _add_lora_term(linear, inputs, output):
-    return output + linear.lora(inputs[0])
+    if not linear.lora.off:  # returning None keeps the base's output
+        return output + linear.lora(inputs[0])
+
+
+@contextmanager
+def adapters_off(model):
+    """Inside the block the model is its base: every adapter's term left out, nothing copied.
+    With B = 0 at the start that is the starting policy, --kl-beta's reference without a second
+    model. The modules a run trains whole (embed_tokens, lm_head) have no base to go back to."""
+    adapters = [linear.lora for _, linear, _ in adapted_linears(model) if hasattr(linear, "lora")]
+    for adapter in adapters:
+        adapter.off = True
+    try:
+        yield model
+    finally:
+        for adapter in adapters:
+            adapter.off = False
 
 
 def has_adapters(model):

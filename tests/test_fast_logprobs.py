@@ -5,8 +5,8 @@ log-probs, and through policy_gradient_backward as train() calls it the same los
 (one of a single token, one shared by two groups), groups whose rewards are unanimous (dropped), tokens forced by
 the calculator (mask 0 inside a completion), several micro-batches, each normaliser, each model family, activation
 checkpointing; and on 2 ranks, replicated and under --fsdp, the ranks running different numbers of passes.
-Also: the shared layout by hand, each prompt run once per micro-batch, and the fast path's one contract (the
-gradient it was told is the one that comes back).
+Also: the shared layout by hand, each prompt run once per micro-batch, and a loss other than the
+one the fast path was told of, which gets its own gradient.
 """
 
 import os
@@ -224,15 +224,31 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
     assert own_tokens + prefix_tokens < sum(len(s) - 1 for s in sequences)
 
 
-def test_a_loss_other_than_the_one_the_fast_path_was_told_is_refused():
-    # the head's gradients are made for loss_grad in the forward pass: a loss that sends back another gradient
-    # would get them silently wrong, so the backward pass checks
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_loss_other_than_the_one_guessed_gets_its_own_gradients_at_a_moved_policy(family):
+    # the head's gradients are made in the forward pass for the guess loss_grad; a loss that sends
+    # back another gradient (a ratio to the log-probs of the weights that sampled, which have moved
+    # since) gets the head's gradients made again for what it sends: the plain path's
     sequences, masks, _ = rollouts(seed=4, num_groups=2)
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
-    loss_grad = torch.where(targets >= 0, -0.1, 0.0)
-    logp = fast_logprobs(model_for("llama (GQA, tied head)"), inputs, targets, T, loss_grad=loss_grad)
-    with pytest.raises(RuntimeError, match="sent back another gradient"):
-        (2 * loss_grad * logp).sum().backward()
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
+    weights = weights * (targets >= 0)
+    with torch.no_grad():
+        old = chat_rl.plain_logprobs(model_for(family), inputs, targets, T)
+    results = {}
+    for name, logprobs, loss_grad in (("plain", chat_rl.plain_logprobs, None),
+                                      ("guessed", fast_logprobs, weights),
+                                      ("told the loss", fast_logprobs, weights)):
+        model = model_for(family, seed=1)  # moved: another init
+        logp = logprobs(model, inputs, targets, T, loss_grad=loss_grad)
+        ratio = torch.exp(logp - old)
+        ((weights * logp).sum() if name == "told the loss" else (weights * ratio).sum()).backward()
+        results[name] = grads(model)
+    plain = results["plain"]
+    for name, grad in plain.items():  # the ratio carries logp's rounding into the gradient: 1e-5
+        assert relative_error(results["guessed"][name], grad) <= 10 * TOLERANCE, name
+    # what the guess alone would have given: another gradient
+    assert max(relative_error(results["told the loss"][n], grad) for n, grad in plain.items()) > 0.1
 
 
 # ---- two ranks: replicated (gradients all-reduced) and --fsdp (sharded; the ranks' passes matched)

@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fast.logprobs import SampledLogprobs
+from fast.logprobs import SampledLogprobs, token_nll
 from policy.gpt import GPT, GPTConfig
 
 
@@ -125,6 +125,30 @@ def test_log_probs_told_their_gradient_give_the_weighted_nlls_value_and_gradient
         assert torch.allclose(loss_a, loss_b, rtol=1e-5) and fused_matmuls == 0 and recomputed == 9
         for name in grad_a:
             assert (grad_a[name] - grad_b[name]).abs().max() <= tolerance * grad_b[name].abs().max(), (autocast, name)
+
+
+def test_log_probs_told_another_gradient_make_the_head_gradients_again_for_what_arrives():
+    # a guess that misses (the loss sends back twice the gradient it was told): SampledLogprobs
+    # drops what it made and projects each chunk again, ChunkedNLL's way, in fp32 and under bf16
+    idx, targets = batch()
+    valid = targets >= 0
+    weights = torch.randn(3, 24, generator=torch.Generator().manual_seed(2))[valid]
+    for autocast, tolerance in ((False, 1e-5), (True, 3e-2)):
+        results = []
+        for fused in (True, False):
+            model = small_model()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                h = model.hidden_states(idx)[valid]
+                if fused:
+                    logp = SampledLogprobs.apply(h, model.lm_head.weight, targets[valid], weights,
+                                                 7, 0.7)
+                else:
+                    logp = -token_nll(h, model.lm_head.weight, targets[valid], 7, 0.7)
+                (2 * weights * logp).sum().backward()
+            results.append({n: p.grad for n, p in model.named_parameters()})
+        for name in results[0]:
+            error = (results[0][name] - results[1][name]).abs().max()
+            assert error <= tolerance * results[1][name].abs().max(), (autocast, name)
 
 
 def test_the_mlp_keeps_its_gate_up_output_not_silu_of_it_and_has_autograds_gradients():

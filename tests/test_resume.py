@@ -20,8 +20,9 @@ TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}  # wall-clo
 # Runs chat_rl.main in a child process that dies (SIGKILL) or is asked to stop (SIGTERM, SIGINT) at
 # a chosen moment: after a step's metrics row ("metrics"); mid-checkpoint, every file written but
 # not the rename that makes it visible ("save"); or mid-work: at the 3rd position decoded in step
-# `at`'s rollout ("rollout") or in the at-th eval, from 0 ("eval"), or in the last layer's backward
-# pass of step `at` ("backward"). Mid-work it prints, as it exits, when the signal was sent and how
+# `at`'s rollout ("rollout") or in the at-th eval, from 0 ("eval"), in the last layer's backward
+# pass of step `at` ("backward"), or after step `at`'s first update of several ("update").
+# Mid-work it prints, as it exits, when the signal was sent and how
 # many decoder layers' forward or backward passes still ended after it. STOP_RANK: the one rank that
 # is sent the signal (torchrun); AGAIN_AFTER: the signal again that many seconds later, from
 # another thread, while the checkpoint is written (3 s).
@@ -48,8 +49,9 @@ def counted(function):  # a layer's forward or backward pass, counted if it ends
         state["after"] += state["sent"] is not None
         return result
     return wrapper
-if where in ("rollout", "eval", "backward"):
+if where in ("rollout", "eval", "backward", "update"):
     problems_for_step, evaluate = chat_rl.problems_for_step, chat_rl.evaluate
+    optimizer_step = chat_rl.optimizer_step
     next_logits, backward = engine.next_logits, gpt.SwiGLU.backward
     def step_starts(rows, step, *args):
         state.update(phase=("rollout", step), decoded=0)
@@ -66,7 +68,13 @@ if where in ("rollout", "eval", "backward"):
         if where == "backward" and state["phase"] == ("rollout", at):
             send()
         return backward(ctx, grad)
+    def update(*args):
+        result = optimizer_step(*args)
+        if where == "update" and state["phase"] == ("rollout", at):
+            send()
+        return result
     chat_rl.problems_for_step, chat_rl.evaluate = step_starts, eval_starts
+    chat_rl.optimizer_step = update
     engine.next_logits, gpt.SwiGLU.backward = decoding, staticmethod(counted(backward_pass))
     gpt.Block.forward = counted(gpt.Block.forward)
     atexit.register(lambda: print(f"signal sent at {state['sent']}; "
@@ -222,6 +230,47 @@ def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, r
     for ours, one_process in zip(rows, reference[0]):  # each problem samples from its own stream
         for key in {"reward", "seq_len", "kept_tokens", "pass@1", "greedy"} & set(one_process):
             assert ours[key] == pytest.approx(one_process[key], rel=1e-5), key
+
+
+# --kl-beta's reference is the starting model, and --ppo-epochs updates more than once a step
+OBJECTIVE = ["--kl-beta=0.05", "--ppo-epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def objective_reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("objective_reference")
+    result = launch(args(model_dir, out) + OBJECTIVE)
+    assert result.returncode == 0, result.stderr[-2000:]
+    train = [r for r in metrics(out) if "split" not in r]
+    assert all(r["kl"] > 0 for r in train[1:]) and any(r["clip_frac"] > 0 for r in train)
+    return metrics(out), final_weights(out)
+
+
+def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(model_dir, objective_reference,
+                                                                    tmp_path):
+    # killed after step 2's row, resumed from step_000002: a reference loaded from that checkpoint
+    # would put step 2's kl near 0 (the policy is the checkpoint), not where it is unstopped
+    out = tmp_path / "run"
+    assert launch(args(model_dir, out) + OBJECTIVE, "metrics", 2).returncode == -9
+    resumed = launch(args(model_dir, out) + OBJECTIVE + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert " steps=2->5 " in resumed.stdout
+    assert metrics(out) == objective_reference[0]
+    assert all(torch.equal(final_weights(out)[k], v) for k, v in objective_reference[1].items())
+
+
+def test_a_stop_after_a_steps_first_update_finishes_its_epochs_and_resumes_bit_for_bit(
+        model_dir, objective_reference, tmp_path):
+    # the weights have moved: leaving now would save half a step as step 2's end; epoch 1 runs on
+    out = tmp_path / "run"
+    stopped = launch(args(model_dir, out) + OBJECTIVE + ["--save-every=-1"], "update", 2, "SIGTERM")
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "stopped at step 3/5" in stopped.stdout
+    assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000003"]
+    resumed = launch(args(model_dir, out) + OBJECTIVE + ["--save-every=-1", "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert metrics(out) == objective_reference[0]
+    assert all(torch.equal(final_weights(out)[k], v) for k, v in objective_reference[1].items())
 
 
 def test_old_checkpoints_are_pruned(model_dir, reference, tmp_path):

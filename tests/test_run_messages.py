@@ -111,9 +111,9 @@ def test_chat_rl_sets_a_passive_omp_wait_policy_before_torch_loads_unless_the_us
     # and nothing chat_rl imports before that line loads torch
     source = open(os.path.join(repo, "chat_rl.py")).read()
     before = source[:source.index('os.environ.setdefault("OMP_WAIT_POLICY"')]
+    harmless = ("hashlib", "math", "os", "sys", "time", "contextlib", "types")  # load no torch
     assert "import torch" not in before and not any(line.startswith(("from ", "import ")) and line.split()[1] not in
-                                                    ("hashlib", "math", "os", "sys", "time", "contextlib")
-                                                    for line in before.splitlines())
+                                                    harmless for line in before.splitlines())
 
 
 def tiny_model(tmp_path):

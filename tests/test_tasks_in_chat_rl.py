@@ -55,7 +55,7 @@ def test_task_trains_and_evaluates_through_chat_rl(task, tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [0, 1] and [r["step"] for r in evals] == [0, 1, 2]
     assert all({"reward", "reward_answer", "reward_format", "truncated"} <= set(r) for r in train)
     assert all(set(r) == {"step", "split", "greedy", "pass@1", "pass@2", "greedy_tool_use", "tool_use", "tool_calls",
-                          "tool_errors", "reward_errors"} for r in evals)
+                          "tool_errors", "seq_len", "reward_errors", "eval_time_s"} for r in evals)
     assert all(r["reward_errors"] == 0 for r in train + evals)  # the built-in verifiers never raise
     for r in train:
         assert 0 <= r["reward_answer"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1
