@@ -161,8 +161,8 @@ PRESETS = dict(
     # a real chat model learning on a laptop's CPU (README "A real model on a laptop"): SmolLM2-135M-Instruct, made
     # offline by scripts/convert_gguf.py; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2", device_type="cpu",
-                 examples_per_step=8, num_samples=8, max_new_tokens=64, tool="none", num_steps=40,
-                 device_batch_size=16, lr=3e-5, lora_lr=3e-4, eval_every=20, eval_examples=64, eval_samples=16),
+                 examples_per_step=8, num_samples=8, max_new_tokens=64, tool="none", num_steps=20,
+                 device_batch_size=16, lr=3e-5, lora_lr=3e-4, eval_every=10, eval_examples=64, eval_samples=16),
 )
 
 
