@@ -89,8 +89,8 @@ from tasks.common import conversation, rewards as reward_terms
 # a flag, - for _ (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
 HYPERPARAMETERS = dict(
     # name=(default, meaning)
-    task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | my_pkg.my_task | path/to/task.py"),
-    model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id, Hugging Face folder (config.json + safetensors) or PEFT LoRA folder"),
+    task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | pkg.module | task.py"),
+    model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id | Hugging Face folder | PEFT LoRA folder"),
     out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=("", "cpu | cuda | mps; empty = autodetect"),
     seed=(0, "seeds data order, sampling and evaluation"),
@@ -98,21 +98,21 @@ HYPERPARAMETERS = dict(
     # rollouts
     examples_per_step=(16, "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=(16, "completions sampled per problem (the group)"),
-    max_new_tokens=(768, "completion budget; a built-in verifier scores one cut off before its answer 0"),
+    max_new_tokens=(768, "completion budget; a reply cut off before its answer scores 0"),
     temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss divides by it)"),
     top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
-    generate_batch_rows=(256, "most rows (prompts x samples) one engine call decodes; one prompt's at least"),
-    # on: a model that never writes "<<expr=" samples as with none; one that does gets exact results forced
+    generate_batch_rows=(256, "most rows (prompts x samples) per engine call, >= one prompt's"),
+    # a model that never writes "<<expr=" samples as with none; one that does gets exact results
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
-    advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (unbiased std(r) + 1e-4)"),
-    loss_norm=("all_tokens", "N_i, the loss's normaliser: all_tokens | kept_tokens | sequence (chat_rl.py's docstring)"),
-    mask_truncated=(False, "cut-off completions (no stop token within max_new_tokens) train no token"),
-    kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy per sampled token; 0 = off"),
+    advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
+    loss_norm=("all_tokens", "the loss's N_i (docstring): all_tokens | kept_tokens | sequence"),
+    mask_truncated=(False, "cut-off completions (no stop token) train no token"),
+    kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy; 0 = off"),
     ppo_epochs=(1, "updates on each rollout; > 1: PPO's clipped ratio in the loss"),
     clip_eps=(0.2, "--ppo-epochs > 1: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]"),
     clip_eps_high=(-1.0, "-1 = --clip-eps; above it: DAPO's clip-higher (its 0.28)"),
-    logprobs=("fast", "the loss's log-probs: fast | plain (plain_logprobs: all logits at once)"),
+    logprobs=("fast", "the loss's log-probs: fast | plain (all logits at once)"),
     format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
     num_epochs=(1, "passes over the training problems (when num_steps is -1)"),
@@ -120,17 +120,17 @@ HYPERPARAMETERS = dict(
     device_batch_size=(8, "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384, "most tokens (rows x padded length) per micro-batch"),
     lr=(3e-6, "AdamW peak learning rate; step s uses lr x (1 - s / num_steps)"),
-    # LoRA (policy/lora.py): a frozen base, adapters trained, at several times full fine-tuning's learning rate
+    # LoRA (policy/lora.py): a frozen base, adapters trained at several times full FT's lr
     lora_rank=(0, "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=(32.0, "LoRA's scale is lora_alpha / lora_rank"),
-    lora_targets=("all-linear", "all-linear | q_proj,v_proj,...; add ,lm_head or ,embed_tokens to train them whole"),
-    lora_lr=(3e-5, "the peak learning rate with --lora-rank > 0, instead of --lr"),
+    lora_targets=("all-linear", "all-linear | q_proj,v_proj,... (,lm_head: trained whole)"),
+    lora_lr=(3e-5, "peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=(0.0, "AdamW weight decay"),
     grad_clip=(1.0, "clip the global gradient norm; 0 = off"),
     max_nonfinite=(5, "stop after this many non-finite updates in a row"),
     # memory (README: "Past one GPU's memory")
-    fsdp=(False, "FSDP2: shard weights/grads/AdamW when 16 B/param won't fit"),
-    activation_checkpointing=(False, "recompute layers in backward: less memory, ~1/3 more compute"),
+    fsdp=(False, "FSDP2: shard weights, grads, AdamW (16 B/param won't fit)"),
+    activation_checkpointing=(False, "recompute layers in backward: less memory, 1/3 more compute"),
     # evaluation and checkpoints
     eval_every=(50, "steps between pass@k evals; -1 = off"),
     eval_only=(False, "evaluate --model once (no training, no checkpoint) and stop"),
@@ -140,7 +140,7 @@ HYPERPARAMETERS = dict(
     keep_checkpoints=(2, "how many recent checkpoints to keep"),
     wandb=("", "wandb project to log to; empty = off"),
     # your own rows and reward (README "Your own task"): --data alone selects --task=data
-    data=("", "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub data set id"),
+    data=("", "rows: a .jsonl/.parquet/.csv file, a folder of them or a hub id"),
     data_config=("", "the hub data set's configuration, e.g. main"),
     train_split=("train", "--data's split to train on (a folder's or a hub data set's)"),
     eval_split=("test", "--data's split of held-out rows, unless --eval-data"),
@@ -148,9 +148,9 @@ HYPERPARAMETERS = dict(
     prompt_column=("question", "--task=data: the column holding the prompt"),
     answer_column=("answer", "--task=data: the column holding the answer"),
     instruction=("", "--task=data: text appended to every prompt after a blank line"),
-    verifier=("gsm8k", "--task=data: gsm8k (#### number) | math (\\boxed{}) | exact (stripped text)"),
-    reward=("", "--task=data: path/to/file.py:function(completion, row) -> float, not the verifier"),
-    system_prompt=("", "a system turn before every prompt, through the chat template"),
+    verifier=("gsm8k", "--task=data: gsm8k (#### n) | math (\\boxed{}) | exact (stripped text)"),
+    reward=("", "--task=data: file.py:function(completion, row) -> float, not the verifier"),
+    system_prompt=("", "a system turn before every prompt (chat template)"),
 )
 
 PRESETS = dict(
