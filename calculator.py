@@ -22,23 +22,36 @@ import ast
 import re
 from fractions import Fraction
 
-DECIMALS = 4           # a non-integral result is rounded to this many decimal places (GSM8K prints 2 to 4)
-MAX_CHARS = 100        # GSM8K's longest annotated expression has 36 characters
-MAX_DIGITS = 30        # per number, and per numerator / denominator of the result
-MAX_DEPTH = 20         # nested operations (parentheses included)
+DECIMALS = 4  # a non-integral result is rounded to this many decimal places (GSM8K prints 2 to 4)
+MAX_CHARS = 100  # GSM8K's longest annotated expression has 36 characters
+MAX_DIGITS = 30  # per number, and per numerator / denominator of the result
+MAX_DEPTH = 20  # nested operations (parentheses included)
 
 ALLOWED_CHARS = re.compile(r"[0-9+\-*/().,\s]*")
-THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")  # 1,200 -> 1200; "1,20" keeps its comma and fails
-OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+THOUSANDS = re.compile(
+    r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))"
+)  # 1,200 -> 1200; "1,20" keeps its comma and fails
+OPERATORS = {
+    ast.Add: Fraction.__add__,
+    ast.Sub: Fraction.__sub__,
+    ast.Mult: Fraction.__mul__,
+    ast.Div: Fraction.__truediv__,
+}
 TOO_BIG = Fraction(10) ** MAX_DIGITS
 
 
 def calculate(expression):
     """The value of an arithmetic expression as the text a model should see, or None if it is not one."""
-    if not isinstance(expression, str) or len(expression) > MAX_CHARS or not ALLOWED_CHARS.fullmatch(expression):
+    if (
+        not isinstance(expression, str)
+        or len(expression) > MAX_CHARS
+        or not ALLOWED_CHARS.fullmatch(expression)
+    ):
         return None
     source = THOUSANDS.sub("", expression).strip()
-    if _paren_depth(source) > MAX_DEPTH:  # parentheses leave no node in the tree, so count them here
+    if (
+        _paren_depth(source) > MAX_DEPTH
+    ):  # parentheses leave no node in the tree, so count them here
         return None
     try:
         tree = ast.parse(source, mode="eval")
@@ -55,7 +68,11 @@ def _evaluate(node, source, depth):
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         # read the literal's own text: Fraction(0.2) would be the float's binary value, not 1/5
         literal = ast.get_source_segment(source, node)
-        if literal is None or len(literal.replace(".", "")) > MAX_DIGITS or not re.fullmatch(r"[0-9]*\.?[0-9]*", literal):
+        if (
+            literal is None
+            or len(literal.replace(".", "")) > MAX_DIGITS
+            or not re.fullmatch(r"[0-9]*\.?[0-9]*", literal)
+        ):
             return None  # 1e3 and 0x10 parse as numbers too; a calculator for word problems takes decimals only
         return Fraction(literal)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -84,8 +101,8 @@ def _as_text(value):
     """24 for an integral value, else a decimal rounded to DECIMALS places without trailing zeros (0.2, 3.3333)."""
     if value.denominator == 1:
         return str(value.numerator)
-    scaled = round(abs(value) * 10 ** DECIMALS)  # Fraction rounds half to even, exactly
+    scaled = round(abs(value) * 10**DECIMALS)  # Fraction rounds half to even, exactly
     sign = "-" if value < 0 and scaled else ""
-    whole, frac = divmod(scaled, 10 ** DECIMALS)
+    whole, frac = divmod(scaled, 10**DECIMALS)
     frac = str(frac).rjust(DECIMALS, "0").rstrip("0")
     return f"{sign}{whole}.{frac}" if frac else f"{sign}{whole}"

@@ -29,9 +29,10 @@ from fast.tool_calls import ToolCalls, call_tables
 
 class Samples(NamedTuple):
     """One entry per row, prompt-major: the samples of prompt 0, then those of prompt 1, ..."""
-    sequences: list    # prompt + generated tokens; the stop token only with include_stop
-    masks: list        # 1 on sampled tokens, 0 on the prompt's and on those the calculator forced
-    tool_calls: list   # the row's calls, answered or refused
+
+    sequences: list  # prompt + generated tokens; the stop token only with include_stop
+    masks: list  # 1 on sampled tokens, 0 on the prompt's and on those the calculator forced
+    tool_calls: list  # the row's calls, answered or refused
     tool_errors: list  # of them, the refused ones
 
 
@@ -44,11 +45,24 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
     each row takes from its stream).
     """
     if isinstance(seed, int):
-        return torch.rand(num_prompts * num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(seed),
-                          device=device)
+        return torch.rand(
+            num_prompts * num_samples,
+            max_new_tokens,
+            generator=torch.Generator(device).manual_seed(seed),
+            device=device,
+        )
     assert len(seed) == num_prompts, f"{len(seed)} seeds for {num_prompts} prompts"
-    return torch.cat([torch.rand(num_samples, max_new_tokens, generator=torch.Generator(device).manual_seed(s), device=device)
-                      for s in seed])
+    return torch.cat(
+        [
+            torch.rand(
+                num_samples,
+                max_new_tokens,
+                generator=torch.Generator(device).manual_seed(s),
+                device=device,
+            )
+            for s in seed
+        ]
+    )
 
 
 # A calculator call fires when the token just written ends in '=' and the text then ends in '<<', an expression (one
@@ -59,8 +73,18 @@ CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
 @torch.no_grad()
-def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None,
-                       seed=0, tool=None, include_stop=False):
+def generate_reference(
+    model,
+    tokenizer,
+    prompts,
+    num_samples=1,
+    max_new_tokens=256,
+    temperature=1.0,
+    top_k=None,
+    seed=0,
+    tool=None,
+    include_stop=False,
+):
     """
     The plain sampler, and the reference the tests hold the Engine to: for the same arguments (tool given to the
     Engine's constructor), the same Samples, token for token. No cache: at each position t the model
@@ -75,8 +99,14 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
     B = len(prompts) * num_samples
     u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device)
     prompt = [list(prompts[b // num_samples]) for b in range(B)]
-    new, mask = [[] for _ in range(B)], [[] for _ in range(B)]  # each row's generated tokens, and 1 where sampled
-    text, pending = [""] * B, [[] for _ in range(B)]              # its completion's text, the tool's tokens to come
+    new, mask = (
+        [[] for _ in range(B)],
+        [[] for _ in range(B)],
+    )  # each row's generated tokens, and 1 where sampled
+    text, pending = (
+        [""] * B,
+        [[] for _ in range(B)],
+    )  # its completion's text, the tool's tokens to come
     calls, errors = [0] * B, [0] * B
     running = list(range(B))
     for t in range(max_new_tokens):
@@ -86,7 +116,7 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
         width = max(len(row) for row in rows)
         ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device)
         last = torch.tensor([len(row) - 1 for row in rows], device=device)
-        logits = model(ids)[torch.arange(len(rows), device=device), last, :tokenizer.vocab_size]
+        logits = model(ids)[torch.arange(len(rows), device=device), last, : tokenizer.vocab_size]
         drawn = sample_reference(logits, u[running, t], temperature, top_k).tolist()
         still_running = []
         for b, token in zip(running, drawn):
@@ -99,11 +129,17 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
                 continue
             still_running.append(b)
             piece = tokenizer.decode([token])
-            text[b] += piece  # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
+            text[b] += (
+                piece  # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
+            )
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
                 calls[b] += 1
-                written = tokenizer.decode(new[b])  # decoded together: a token alone can split a character, drop a space
-                result = tool(written[written.rfind("<<") + 2:-1])  # after the last '<<', before the '='
+                written = tokenizer.decode(
+                    new[b]
+                )  # decoded together: a token alone can split a character, drop a space
+                result = tool(
+                    written[written.rfind("<<") + 2 : -1]
+                )  # after the last '<<', before the '='
                 if result is None:
                     errors[b] += 1
                 else:
@@ -111,7 +147,9 @@ def generate_reference(model, tokenizer, prompts, num_samples=1, max_new_tokens=
         running = still_running
     sequences, masks = [], []
     for b in range(B):
-        if new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop:  # the stop token kept only on request
+        if (
+            new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop
+        ):  # the stop token kept only on request
             new[b], mask[b] = new[b][:-1], mask[b][:-1]
         sequences.append(prompt[b] + new[b])
         masks.append([0] * len(prompt[b]) + mask[b])
@@ -140,7 +178,7 @@ def sample_reference(logits, u, temperature, top_k):
 # ---- the fast sampler --------------------------------------------------------------------------
 
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample_from_probs)
-ROWS_X_VOCAB = 2 ** 21  # the sampler's working set, rows x vocabulary entries at a time
+ROWS_X_VOCAB = 2**21  # the sampler's working set, rows x vocabulary entries at a time
 
 
 def sample_next_token(logits, u, temperature=1.0, top_k=None):
@@ -157,8 +195,12 @@ def sample_next_token(logits, u, temperature=1.0, top_k=None):
     rows = max(1, ROWS_X_VOCAB // logits.size(-1))
     if logits.size(0) <= rows:
         return _sample_rows(logits, u, temperature, top_k)
-    return torch.cat([_sample_rows(logits[i:i + rows], u[i:i + rows], temperature, top_k)
-                      for i in range(0, logits.size(0), rows)])
+    return torch.cat(
+        [
+            _sample_rows(logits[i : i + rows], u[i : i + rows], temperature, top_k)
+            for i in range(0, logits.size(0), rows)
+        ]
+    )
 
 
 def _sample_rows(logits, u, temperature, top_k):
@@ -170,9 +212,11 @@ def _sample_rows(logits, u, temperature, top_k):
     # the k + 1 largest, in descending order: the first k are the candidates, unless the (k+1)-th ties the
     # k-th (then more than k entries are >= the k-th, and all of them stay in)
     values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
-    kth = values[:, top_k - 1:top_k]
+    kth = values[:, top_k - 1 : top_k]
     if logits.is_cuda:  # every row over the whole vocabulary: a check for ties would be a host sync
-        return sample_from_probs(torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u)
+        return sample_from_probs(
+            torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u
+        )
     # sample among the k candidates only, no pass over the whole vocabulary; sorted by token id, so that the
     # same u picks the same token here as on the paths that walk the whole vocabulary in id order
     candidates, order = ids[:, :top_k].sort(dim=-1)
@@ -183,7 +227,9 @@ def _sample_rows(logits, u, temperature, top_k):
     tied = values[:, top_k] == kth[:, 0]
     if bool(tied.any()):
         rows, kth = logits[tied], kth[tied]
-        token[tied] = sample_from_probs(torch.softmax(torch.where(rows >= kth, rows, float("-inf")), dim=-1), u[tied])
+        token[tied] = sample_from_probs(
+            torch.softmax(torch.where(rows >= kth, rows, float("-inf")), dim=-1), u[tied]
+        )
     return token
 
 
@@ -201,17 +247,21 @@ def sample_from_probs(probs, u):
     """
     B, V = probs.shape
     n_blocks = -(-V // BLOCK)
-    if n_blocks * BLOCK > V:  # zeros up to whole blocks: they weigh nothing, so they are never drawn
+    if (
+        n_blocks * BLOCK > V
+    ):  # zeros up to whole blocks: they weigh nothing, so they are never drawn
         probs = torch.nn.functional.pad(probs, (0, n_blocks * BLOCK - V))
     blocks = probs.view(B, n_blocks, BLOCK)
-    block_sums = blocks.sum(dim=-1)                                      # (B, n_blocks)
+    block_sums = blocks.sum(dim=-1)  # (B, n_blocks)
     running = block_sums.cumsum(dim=-1)
-    target = u[:, None].to(running.dtype) * running[:, -1:]             # (B, 1)
-    block = first_above(running, target)                                 # (B, 1)
+    target = u[:, None].to(running.dtype) * running[:, -1:]  # (B, 1)
+    block = first_above(running, target)  # (B, 1)
     # the running sum before the chosen block; rounding may put it an ulp above the target: clamp the rest at 0,
     # which then picks the block's first positive entry
     rest = (target - (running - block_sums).gather(1, block)).clamp(min=0)
-    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[:, 0]  # (B, BLOCK): the chosen block's entries
+    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[
+        :, 0
+    ]  # (B, BLOCK): the chosen block's entries
     return (block * BLOCK + first_above(inside.cumsum(dim=-1), rest))[:, 0]
 
 
@@ -235,8 +285,12 @@ def compaction_moves(keep, n_keep):
     n = keep.size(0)
     c = min(n - n_keep, n_keep)
     front_kept = keep[:n_keep]
-    holes = torch.argsort(front_kept.to(torch.uint8), stable=True)[:c]                  # the front's leaving rows first
-    fillers = n_keep + torch.argsort((~keep[n_keep:]).to(torch.uint8), stable=True)[:c]  # the back's kept rows first
+    holes = torch.argsort(front_kept.to(torch.uint8), stable=True)[
+        :c
+    ]  # the front's leaving rows first
+    fillers = (
+        n_keep + torch.argsort((~keep[n_keep:]).to(torch.uint8), stable=True)[:c]
+    )  # the back's kept rows first
     # as many kept rows at the back as leaving ones at the front: m of each
     fillers = torch.where(torch.arange(c, device=keep.device) < (~front_kept).sum(), fillers, holes)
     order = torch.arange(n_keep, device=keep.device).index_copy_(0, holes, fillers)
@@ -281,7 +335,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.compact_at = compact_at
         self.tool = tool
-        self.tool_tables = None  # fast/tool_calls.call_tables of the tokenizer, built at the first call
+        self.tool_tables = (
+            None  # fast/tool_calls.call_tables of the tokenizer, built at the first call
+        )
 
     @torch.no_grad()
     def prefill(self, prompts, num_samples, max_new_tokens):
@@ -293,22 +349,44 @@ class Engine:
         prompt_lengths = [len(p) for p in prompts]
         assert min(prompt_lengths) > 0, "every prompt needs at least one token"
         T = max(prompt_lengths)
-        ids = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)  # one copy to the device
+        ids = torch.tensor(
+            [[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device
+        )  # one copy to the device
         pad = torch.tensor([T - n for n in prompt_lengths], dtype=torch.long, device=device)
-        rope = model.rope(torch.arange(T + max_new_tokens, device=device)[None])[0, 0]  # (max_len, D/2, 2)
+        rope = model.rope(torch.arange(T + max_new_tokens, device=device)[None])[
+            0, 0
+        ]  # (max_len, D/2, 2)
         cache = KVCache(model.config.num_hidden_layers, pad, max_new_tokens, rope)
         logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
-        cache.share(num_samples)                    # its keys serve all its samples
+        cache.share(num_samples)  # its keys serve all its samples
         return logits.repeat_interleave(num_samples, dim=0), cache
 
-    def generate_batch(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-                       include_stop=False):
+    def generate_batch(
+        self,
+        prompts,
+        num_samples=1,
+        max_new_tokens=256,
+        temperature=1.0,
+        top_k=None,
+        seed=0,
+        include_stop=False,
+    ):
         """generate's (sequences, masks) alone."""
-        return self.generate(prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop)[:2]
+        return self.generate(
+            prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
+        )[:2]
 
     @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one for every token
-    def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-                 include_stop=False):
+    def generate(
+        self,
+        prompts,
+        num_samples=1,
+        max_new_tokens=256,
+        temperature=1.0,
+        top_k=None,
+        seed=0,
+        include_stop=False,
+    ):
         """
         prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls, tool_errors), P * num_samples
         rows, prompt-major: generate_reference's for the same arguments. sequence = prompt + generated tokens (the
@@ -319,62 +397,97 @@ class Engine:
         """
         # on the CPU the large matmuls take their weights packed once for the call (fast/packed_linear.py)
         with packed_linears(self.model, rows=len(prompts) * num_samples):
-            return self._generate(prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop)
+            return self._generate(
+                prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
+            )
 
-    def _generate(self, prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop):
+    def _generate(
+        self, prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
+    ):
         """generate's work: parts 1-3 of the class's docstring."""
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        vocab = self.tokenizer.vocab_size  # a model's embedding table may be padded past it: those rows are not tokens
+        vocab = (
+            self.tokenizer.vocab_size
+        )  # a model's embedding table may be padded past it: those rows are not tokens
         logits, cache = self.prefill(prompts, num_samples, max_new_tokens)
         B = logits.size(0)
         u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device).T.contiguous()
-        out = torch.zeros(max_new_tokens, B, dtype=torch.long, device=device)  # out[t, b]: original row b's token t
-        row_ids = torch.arange(B, device=device)  # original index of each row in the batch, in batch order
-        positions = torch.arange(max_new_tokens + 1, device=device)  # positions[t]: t as a tensor, made once
+        out = torch.zeros(
+            max_new_tokens, B, dtype=torch.long, device=device
+        )  # out[t, b]: original row b's token t
+        row_ids = torch.arange(
+            B, device=device
+        )  # original index of each row in the batch, in batch order
+        positions = torch.arange(
+            max_new_tokens + 1, device=device
+        )  # positions[t]: t as a tensor, made once
         # each batch row's completion length: the position of its first stop token, max_new_tokens while it runs
         length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-        completion_lengths = length.clone()  # the same by original row, recorded as rows leave the batch
+        completion_lengths = (
+            length.clone()
+        )  # the same by original row, recorded as rows leave the batch
         tools = None
         if self.tool is not None:
             if self.tool_tables is None:
                 self.tool_tables = call_tables(self.tokenizer, device)
             tools = ToolCalls(self.tool, self.tokenizer, self.tool_tables, B, device)
-            forced = torch.zeros(max_new_tokens, B, dtype=torch.bool, device=device)  # forced[t, b]: the tool wrote out[t, b]
+            forced = torch.zeros(
+                max_new_tokens, B, dtype=torch.bool, device=device
+            )  # forced[t, b]: the tool wrote out[t, b]
         for t in range(max_new_tokens):
             n_rows = row_ids.size(0)
             token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
-            if tools is not None:  # a row inside a tool's answer takes its next result token instead
+            if (
+                tools is not None
+            ):  # a row inside a tool's answer takes its next result token instead
                 token, forced_now, called = tools.feed(t, token, length == max_new_tokens)
                 forced[t].index_copy_(0, row_ids, forced_now)
             out[t].index_copy_(0, row_ids, token)
-            length = torch.minimum(length, torch.where(torch.isin(token, stop), positions[t], positions[max_new_tokens]))
+            length = torch.minimum(
+                length,
+                torch.where(torch.isin(token, stop), positions[t], positions[max_new_tokens]),
+            )
             if tools is None:
                 n_finished = int((length < max_new_tokens).sum())  # the position's one host sync
             else:
-                n_finished, n_called = torch.stack([(length < max_new_tokens).sum(), called.sum()]).tolist()  # still one
+                n_finished, n_called = torch.stack(
+                    [(length < max_new_tokens).sum(), called.sum()]
+                ).tolist()  # still one
                 if n_called:
                     tools.answer(t, called, row_ids, out)
             if n_finished == n_rows or t == max_new_tokens - 1:
                 break
             n_keep = n_rows - n_finished  # a compaction keeps the running rows
-            if self.compact_at is not None and n_finished > 0 and n_finished >= self.compact_at * n_rows:
-                completion_lengths.index_copy_(0, row_ids, length)  # finished rows leave: record their lengths first
+            if (
+                self.compact_at is not None
+                and n_finished > 0
+                and n_finished >= self.compact_at * n_rows
+            ):
+                completion_lengths.index_copy_(
+                    0, row_ids, length
+                )  # finished rows leave: record their lengths first
                 keep = length == max_new_tokens  # the running rows
                 holes, fillers, order = compaction_moves(keep, n_keep)
                 row_ids, length, token, u = row_ids[order], length[order], token[order], u[:, order]
-                cache.keep_rows(holes, fillers, row_ids, written=t)  # tokens 0..t-1 are in; token t is fed next
+                cache.keep_rows(
+                    holes, fillers, row_ids, written=t
+                )  # tokens 0..t-1 are in; token t is fed next
                 if tools is not None:
                     tools.keep_rows(order)
             logits = next_logits(model, token, cache)
         completion_lengths.index_copy_(0, row_ids, length)
 
         out, completion_lengths = out.T.tolist(), completion_lengths.tolist()
-        sampled = [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()  # 0: forced by the tool
+        sampled = (
+            [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()
+        )  # 0: forced by the tool
         sequences, masks = [], []
         for row, n in enumerate(completion_lengths):
             prompt = prompts[row // num_samples]
-            n += int(include_stop and n < max_new_tokens)  # a row that ran out of tokens has no stop token
+            n += int(
+                include_stop and n < max_new_tokens
+            )  # a row that ran out of tokens has no stop token
             sequences.append(list(prompt) + out[row][:n])
             masks.append([0] * len(prompt) + sampled[row][:n])
         calls, errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)

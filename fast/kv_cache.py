@@ -25,27 +25,38 @@ class KVCache:
     """
 
     def __init__(self, num_layers, pad, max_new_tokens, rope):
-        self.pad = pad            # (P,) long: each prompt's left padding
+        self.pad = pad  # (P,) long: each prompt's left padding
         self.max_new_tokens = max_new_tokens  # own slots of a row: the most tokens it can generate
         self.rope = rope
-        self.pos = 0              # the next slot, the same for every row: T + tokens generated so far
-        self.prompt_len = None    # T, set by the prefill (update)
+        self.pos = 0  # the next slot, the same for every row: T + tokens generated so far
+        self.prompt_len = None  # T, set by the prefill (update)
         self.prompt_k, self.prompt_v = [None] * num_layers, [None] * num_layers
-        self.decoding = False     # set by share(), with the rest:
-        self.samples = None       # S
-        self.k = self.v = None    # the own part, per layer
-        self.row_ids = None       # original index (p * S + s) of each batch row after a compaction; None = all B, in order
-        self.rows_shape = None    # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
-        self.first_position = None  # (rows,) RoPE position of each batch row's own slot 0: its prompt's length
-        self.prompt_mask = None   # additive mask of the scores against the prompt part: -inf on its padding
-        self.grid_prompt = self.grid_sample = None   # after a compaction: each batch row's prompt and sample (_to_grid)
+        self.decoding = False  # set by share(), with the rest:
+        self.samples = None  # S
+        self.k = self.v = None  # the own part, per layer
+        self.row_ids = None  # original index (p * S + s) of each batch row after a compaction; None = all B, in order
+        self.rows_shape = (
+            None  # leading dims of a rows-first tensor: (P, S) while every row is in, (rows,) after
+        )
+        self.first_position = (
+            None  # (rows,) RoPE position of each batch row's own slot 0: its prompt's length
+        )
+        self.prompt_mask = (
+            None  # additive mask of the scores against the prompt part: -inf on its padding
+        )
+        self.grid_prompt = self.grid_sample = (
+            None  # after a compaction: each batch row's prompt and sample (_to_grid)
+        )
 
     def update(self, layer, k, v):
         """Prefill: keep the prompts' k, v (P, Hkv, T, D) as the prompt part; return them for the prefill's attention."""
         assert self.pos == 0, "update() is the prefill's; decode passes go through attend()"
         P, Hkv, T, D = k.shape
         self.prompt_len = T
-        self.prompt_k[layer], self.prompt_v[layer] = k.reshape(P * Hkv, T, D).contiguous(), v.reshape(P * Hkv, T, D).contiguous()
+        self.prompt_k[layer], self.prompt_v[layer] = (
+            k.reshape(P * Hkv, T, D).contiguous(),
+            v.reshape(P * Hkv, T, D).contiguous(),
+        )
         return self.prompt_k[layer].view(P, Hkv, T, D), self.prompt_v[layer].view(P, Hkv, T, D)
 
     def share(self, num_samples):
@@ -54,7 +65,9 @@ class KVCache:
         self.samples, self.decoding, self.rows_shape = num_samples, True, (P, num_samples)
         self.first_position = T - self.pad.repeat_interleave(num_samples)
         B, Hkv = P * num_samples, self.prompt_k[0].size(0) // P
-        self.k = [k.new_zeros(B, Hkv, self.max_new_tokens, k.size(2)) for k in self.prompt_k]  # in the keys' dtype (autocast's)
+        self.k = [
+            k.new_zeros(B, Hkv, self.max_new_tokens, k.size(2)) for k in self.prompt_k
+        ]  # in the keys' dtype (autocast's)
         self.v = [v.new_zeros(B, Hkv, self.max_new_tokens, v.size(2)) for v in self.prompt_v]
         # (P * Hkv, 1, T): -inf on each prompt's padding, the same for all its samples whatever leaves the batch
         padding = torch.arange(T, device=device)[None, :] < self.pad[:, None]
@@ -72,8 +85,8 @@ class KVCache:
             return self.rope[self.positions()][:, None, None], None
         slot = torch.arange(T, device=self.pad.device)
         positions = (slot[None, :] - self.pad[:, None]).clamp(min=0)  # (P, T)
-        causal = slot[None, None, :] <= slot[None, :, None]           # (1, T, T)
-        real = slot[None, None, :] >= self.pad[:, None, None]         # (P, 1, T): not padding
+        causal = slot[None, None, :] <= slot[None, :, None]  # (1, T, T)
+        real = slot[None, None, :] >= self.pad[:, None, None]  # (P, 1, T): not padding
         # a padding query sees only itself: its output is garbage nobody reads, but never NaN
         itself = slot[None, None, :] == slot[None, :, None]
         return self.rope[positions][:, None], (causal & (real | itself))[:, None]
@@ -98,7 +111,7 @@ class KVCache:
         # (autocast's) a score of 20 is off by up to 0.06, and so is each probability, relatively; q
         # and the keys are upcast, outside autocast
         # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
-        q = q.view(B, Hkv, g, D).float() * D ** -0.5
+        q = q.view(B, Hkv, g, D).float() * D**-0.5
         with torch.autocast(q.device.type, enabled=False):
             # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the
             # own slots read are all written, so they need no mask
@@ -106,11 +119,19 @@ class KVCache:
             prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), prompt_k)
             own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).float().transpose(1, 2))
         # one softmax over prompt and own keys; the cat also brings the prompt part back to rows
-        scores = torch.cat([self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)], dim=-1)
+        scores = torch.cat(
+            [self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)],
+            dim=-1,
+        )
         probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, g, -1)
         prompt_probs, own_probs = probs.split([probs.size(-1) - slots, slots], dim=-1)
         prompt_y = self._from_grid(torch.bmm(self._to_grid(prompt_probs), self.prompt_v[layer]))
-        y = torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(*self.rows_shape, Hkv, g, D) + prompt_y
+        y = (
+            torch.bmm(own_probs.flatten(0, 1), own_v.flatten(0, 1)).view(
+                *self.rows_shape, Hkv, g, D
+            )
+            + prompt_y
+        )
         return y.reshape(B, H, 1, D)
 
     def write_own(self, layer, k, v):
@@ -118,7 +139,7 @@ class KVCache:
         t = self.pos - self.prompt_len
         self.k[layer][:, :, t] = k[:, :, 0]
         self.v[layer][:, :, t] = v[:, :, 0]
-        return self.k[layer][:, :, :t + 1], self.v[layer][:, :, :t + 1]
+        return self.k[layer][:, :, : t + 1], self.v[layer][:, :, : t + 1]
 
     def advance(self, T):
         """The forward pass is over: its T tokens per row are in the cache, the next ones go T slots further."""
@@ -131,12 +152,15 @@ class KVCache:
         itself), and only the written own slots; the batch is then a view of the first slots of the same buffers.
         """
         self.row_ids, self.rows_shape = row_ids, (row_ids.size(0),)
-        self.grid_prompt, self.grid_sample = row_ids // self.samples, row_ids % self.samples  # each row's place in the grid
+        self.grid_prompt, self.grid_sample = (
+            row_ids // self.samples,
+            row_ids % self.samples,
+        )  # each row's place in the grid
         self.first_position = self.prompt_len - self.pad[self.grid_prompt]
         for buffers in (self.k, self.v):
             for i, buffer in enumerate(buffers):
                 buffer[holes, :, :written] = buffer[fillers, :, :written]
-                buffers[i] = buffer[:row_ids.size(0)]
+                buffers[i] = buffer[: row_ids.size(0)]
 
     def _to_grid(self, x):
         """
@@ -157,4 +181,6 @@ class KVCache:
         batch, the rows' entries (B, ...) after a compaction (the two index tensors, apart, put their dim first)."""
         P, S = self.pad.size(0), self.samples
         y = y.view(P, y.size(0) // P, S, -1, y.size(-1))  # (P, Hkv, S, g, Y)
-        return y.transpose(1, 2) if self.row_ids is None else y[self.grid_prompt, :, self.grid_sample]
+        return (
+            y.transpose(1, 2) if self.row_ids is None else y[self.grid_prompt, :, self.grid_sample]
+        )

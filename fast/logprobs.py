@@ -34,21 +34,33 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     is that one, made again for the one that arrives if not; None: the head is projected again in
     the backward pass (token_nll).
     """
-    prefix_ids, prefix_lengths, row_prefix, own_inputs, own_targets = make_shared_batch(inputs, targets)
+    prefix_ids, prefix_lengths, row_prefix, own_inputs, own_targets = make_shared_batch(
+        inputs, targets
+    )
     layout = SharedPrefix(model.rope, prefix_ids, prefix_lengths, row_prefix, own_targets)
-    h = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)[0, layout.num_prefix_tokens:]  # (own tokens, C)
-    h = h[own_targets[layout.own_real] >= 0]  # the positions with a target, row-major: targets[sampled]'s order
+    h = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)[
+        0, layout.num_prefix_tokens :
+    ]  # (own tokens, C)
+    h = h[
+        own_targets[layout.own_real] >= 0
+    ]  # the positions with a target, row-major: targets[sampled]'s order
     sampled = targets >= 0
-    weight = model.lm_head.weight[:vocab_size]  # rows past the tokenizer's vocabulary pad the embedding: never sampled
+    weight = model.lm_head.weight[
+        :vocab_size
+    ]  # rows past the tokenizer's vocabulary pad the embedding: never sampled
     chunk = max(1, LOGITS_PER_CHUNK // weight.size(0))
     if loss_grad is None:
         logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
     else:
-        logp = SampledLogprobs.apply(h, weight, targets[sampled], loss_grad[sampled], chunk, float(temperature))
+        logp = SampledLogprobs.apply(
+            h, weight, targets[sampled], loss_grad[sampled], chunk, float(temperature)
+        )
     return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
 
 
-LOGITS_PER_CHUNK = 2 ** 24  # the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
+LOGITS_PER_CHUNK = (
+    2**24
+)  # the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
 
 
 def make_shared_batch(inputs, targets):
@@ -62,7 +74,9 @@ def make_shared_batch(inputs, targets):
     prefixes, row_prefix, own = {}, [], []
     for row_inputs, row_targets in zip(inputs.tolist(), targets.tolist()):
         sampled = [t for t, target in enumerate(row_targets) if target >= 0]
-        if not sampled:  # nothing to train on: an empty prefix and one token, which the model leaves out
+        if (
+            not sampled
+        ):  # nothing to train on: an empty prefix and one token, which the model leaves out
             key, row = (), ([row_inputs[0]], [-1])
         else:
             first, last = sampled[0], sampled[-1] + 1
@@ -71,12 +85,23 @@ def make_shared_batch(inputs, targets):
         own.append(row)
     device = inputs.device
     P, T = max(1, max(map(len, prefixes))), max(len(row_inputs) for row_inputs, _ in own)
-    prefix_ids = torch.tensor([list(prefix) + [0] * (P - len(prefix)) for prefix in prefixes], dtype=torch.long)
-    own_inputs = torch.tensor([row_inputs + [0] * (T - len(row_inputs)) for row_inputs, _ in own], dtype=torch.long)
-    own_targets = torch.tensor([row_targets + [-1] * (T - len(row_targets)) for _, row_targets in own], dtype=torch.long)
+    prefix_ids = torch.tensor(
+        [list(prefix) + [0] * (P - len(prefix)) for prefix in prefixes], dtype=torch.long
+    )
+    own_inputs = torch.tensor(
+        [row_inputs + [0] * (T - len(row_inputs)) for row_inputs, _ in own], dtype=torch.long
+    )
+    own_targets = torch.tensor(
+        [row_targets + [-1] * (T - len(row_targets)) for _, row_targets in own], dtype=torch.long
+    )
     prefix_lengths = torch.tensor(list(map(len, prefixes)), dtype=torch.long)
-    return (prefix_ids.to(device), prefix_lengths.to(device), torch.tensor(row_prefix, dtype=torch.long).to(device),
-            own_inputs.to(device), own_targets.to(device))
+    return (
+        prefix_ids.to(device),
+        prefix_lengths.to(device),
+        torch.tensor(row_prefix, dtype=torch.long).to(device),
+        own_inputs.to(device),
+        own_targets.to(device),
+    )
 
 
 def token_nll(h, weight, targets, chunk, temperature=1.0):
@@ -108,9 +133,11 @@ class ChunkedNLL(torch.autograd.Function):
         lse = torch.empty_like(nll)
         for s in range(0, h.size(0), chunk):
             # z / T = (h / T) W^T: scaling the (chunk, C) hidden states costs C/V of scaling the (chunk, V) logits
-            logits = F.linear(h[s:s + chunk] / temperature, weight).float()  # (chunk, V)
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-            nll[s:s + chunk] = lse[s:s + chunk] - logits.gather(1, targets[s:s + chunk, None])[:, 0]
+            logits = F.linear(h[s : s + chunk] / temperature, weight).float()  # (chunk, V)
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            nll[s : s + chunk] = (
+                lse[s : s + chunk] - logits.gather(1, targets[s : s + chunk, None])[:, 0]
+            )
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast_state(h.device.type)
         return nll
@@ -118,8 +145,17 @@ class ChunkedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll):
         h, weight, targets, lse = ctx.saved_tensors
-        grads = nll_grads(h, weight, targets, lse, grad_nll, ctx.chunk, ctx.temperature,
-                          ctx.autocast, ctx.needs_input_grad[:2])
+        grads = nll_grads(
+            h,
+            weight,
+            targets,
+            lse,
+            grad_nll,
+            ctx.chunk,
+            ctx.temperature,
+            ctx.autocast,
+            ctx.needs_input_grad[:2],
+        )
         return (*grads, None, None, None)
 
 
@@ -139,16 +175,28 @@ def nll_grads(h, weight, targets, lse, grad_nll, chunk, temperature, autocast, n
         with torch.autocast(**autocast):
             logits = F.linear(h[rows] / temperature, weight).float()
         probs = logits.sub_(lse[rows, None]).exp_()  # softmax(z / T), in place
-        add_chunk_grads(probs, targets[rows], grad_nll[rows] / temperature, h[rows], weight,
-                        None if grad_h is None else grad_h[rows], grad_w)
-    return (None if grad_h is None else grad_h.to(h.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype))
+        add_chunk_grads(
+            probs,
+            targets[rows],
+            grad_nll[rows] / temperature,
+            h[rows],
+            weight,
+            None if grad_h is None else grad_h[rows],
+            grad_w,
+        )
+    return (
+        None if grad_h is None else grad_h.to(h.dtype),
+        None if grad_w is None else grad_w.to(weight.dtype),
+    )
 
 
 def autocast_state(device):
     """What torch.autocast(**autocast_state(device)) needs to run as the current pass runs."""
-    return dict(device_type=device, dtype=torch.get_autocast_dtype(device),
-                enabled=torch.is_autocast_enabled(device))
+    return dict(
+        device_type=device,
+        dtype=torch.get_autocast_dtype(device),
+        enabled=torch.is_autocast_enabled(device),
+    )
 
 
 def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):
@@ -186,15 +234,19 @@ class SampledLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, loss_grad, chunk, temperature):
         grad_h = torch.empty(h.shape, device=h.device) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = (
+            torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         logp, lse = torch.empty(h.size(0), device=h.device), torch.empty(h.size(0), device=h.device)
         # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
         for s in range(0, h.size(0), chunk):
             rows = slice(s, s + chunk)
-            logits = buffer[:h[rows].size(0)]
+            logits = buffer[: h[rows].size(0)]
             if torch.is_autocast_enabled(h.device.type) or weight.dtype != torch.float32:
-                logits.copy_(F.linear(h[rows] / temperature, weight))  # the matmul in autocast's (or the model's) dtype
+                logits.copy_(
+                    F.linear(h[rows] / temperature, weight)
+                )  # the matmul in autocast's (or the model's) dtype
             else:
                 torch.mm(h[rows] / temperature, weight.t(), out=logits)
             target_logits = logits.gather(1, targets[rows, None])[:, 0]
@@ -205,8 +257,16 @@ class SampledLogprobs(torch.autograd.Function):
             logp[rows] = target_logits - top - total.log()
             lse[rows] = top + total.log()
             # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient with scale -g / T
-            add_chunk_grads(exp, targets[rows], -loss_grad[rows] / temperature, h[rows], weight,
-                            None if grad_h is None else grad_h[rows], grad_w, total=total)
+            add_chunk_grads(
+                exp,
+                targets[rows],
+                -loss_grad[rows] / temperature,
+                h[rows],
+                weight,
+                None if grad_h is None else grad_h[rows],
+                grad_w,
+                total=total,
+            )
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.grads, ctx.loss_grad = (grad_h, grad_w), loss_grad
         ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast_state(h.device.type)
@@ -216,14 +276,27 @@ class SampledLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp):
         h, weight, targets, lse = ctx.saved_tensors
         grad_h, grad_w = ctx.grads
-        del ctx.grads  # they are handed over once: a second backward pass through the same forward has none
+        del (
+            ctx.grads
+        )  # they are handed over once: a second backward pass through the same forward has none
         if torch.equal(grad_logp, ctx.loss_grad):
-            grads = (None if grad_h is None else grad_h.to(h.dtype),
-                     None if grad_w is None else grad_w.to(weight.dtype))
+            grads = (
+                None if grad_h is None else grad_h.to(h.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+            )
         else:  # not the gradient guessed (the loss is not linear in logp): its own, made again
             del grad_h, grad_w
-            grads = nll_grads(h, weight, targets, lse, -grad_logp, ctx.chunk, ctx.temperature,
-                              ctx.autocast, ctx.needs_input_grad[:2])  # logp = -NLL
+            grads = nll_grads(
+                h,
+                weight,
+                targets,
+                lse,
+                -grad_logp,
+                ctx.chunk,
+                ctx.temperature,
+                ctx.autocast,
+                ctx.needs_input_grad[:2],
+            )  # logp = -NLL
         return (*grads, None, None, None, None)
 
 
@@ -255,6 +328,7 @@ class Guess:
 
     def watch(self, logp, guess):
         """logp, on which a hook compares the gradient that arrives with the guess."""
+
         def compare(grad):
             self.missed = self.missed or not torch.equal(grad, guess)
 
@@ -282,16 +356,21 @@ class RolloutLogprobs:
 
     def put(self, name, rows, logp, sequences):
         for b, i in enumerate(rows):
-            self.rows[name, i] = logp[b, :len(sequences[i]) - 1].detach()
+            self.rows[name, i] = logp[b, : len(sequences[i]) - 1].detach()
 
 
 def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):
     """The training passes over rows (indices into sequences and masks): lists of indices, sorted by prompt length
     (up to the first sampled token), group and length, so that a group's rows share a pass (fast_logprobs runs their
     prompt once) and rows of similar length do (less padding); any order would give the same gradient."""
-    prompt_length = lambda i: next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))  # noqa: E731
+    prompt_length = lambda i: next(
+        (t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i])
+    )  # noqa: E731
     rows = sorted(rows, key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
-    return [[rows[j] for j in batch] for batch in split_rows([len(sequences[i]) - 1 for i in rows], max_rows, max_tokens)]
+    return [
+        [rows[j] for j in batch]
+        for batch in split_rows([len(sequences[i]) - 1 for i in rows], max_rows, max_tokens)
+    ]
 
 
 def split_rows(lengths, max_rows, max_tokens):
@@ -330,24 +409,46 @@ class SharedPrefix:
         (self.G, self.P), (self.B, self.T) = prefix_ids.shape, targets.shape
         self.row_prefix = row_prefix
         device = targets.device
-        self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]   # (G, P)
+        self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]  # (G, P)
         last_target = torch.where(targets >= 0, torch.arange(self.T, device=device), -1).amax(dim=1)
-        self.own_real = torch.arange(self.T, device=device)[None, :] <= last_target[:, None]  # (B, T)
+        self.own_real = (
+            torch.arange(self.T, device=device)[None, :] <= last_target[:, None]
+        )  # (B, T)
         # where each flat token sits in the padded layouts (row-major), and how many are prefix tokens
-        self.prefix_slots, self.own_slots = self.prefix_real.flatten().nonzero()[:, 0], self.own_real.flatten().nonzero()[:, 0]
+        self.prefix_slots, self.own_slots = (
+            self.prefix_real.flatten().nonzero()[:, 0],
+            self.own_real.flatten().nonzero()[:, 0],
+        )
         self.num_prefix_tokens = self.prefix_slots.numel()
         start = lengths[row_prefix]  # (B,) each row's first position: its prefix's length
-        positions = torch.cat([torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
-                               (start[:, None] + torch.arange(self.T, device=device))[self.own_real]])
+        positions = torch.cat(
+            [
+                torch.arange(self.P, device=device).expand(self.G, -1)[self.prefix_real],
+                (start[:, None] + torch.arange(self.T, device=device))[self.own_real],
+            ]
+        )
         self.rope = rope(positions[None])  # (1, 1, N, D/2, 2)
         # the flat token each padded slot reads (prefixes then rows, row-major); a padding slot reads token 0, a key
         # the mask hides or a query whose output is dropped. Queries: the prefixes' (G * P) and the rows' own
         # (B * T) slots; keys and values: the prefixes', then each row's prefix and own, (B, P + T)
-        prefix_index = torch.where(self.prefix_real, self.prefix_real.flatten().cumsum(0).view(self.G, self.P) - 1, 0)
-        own_index = torch.where(self.own_real, self.num_prefix_tokens + self.own_real.flatten().cumsum(0).view(self.B, self.T) - 1, 0)
+        prefix_index = torch.where(
+            self.prefix_real, self.prefix_real.flatten().cumsum(0).view(self.G, self.P) - 1, 0
+        )
+        own_index = torch.where(
+            self.own_real,
+            self.num_prefix_tokens + self.own_real.flatten().cumsum(0).view(self.B, self.T) - 1,
+            0,
+        )
         self.query_index = torch.cat([prefix_index.flatten(), own_index.flatten()])
-        self.key_index = torch.cat([prefix_index.flatten(), torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten()])
-        self.output_index = torch.cat([self.prefix_slots, self.G * self.P + self.own_slots])  # each flat token's slot
+        self.key_index = torch.cat(
+            [
+                prefix_index.flatten(),
+                torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten(),
+            ]
+        )
+        self.output_index = torch.cat(
+            [self.prefix_slots, self.G * self.P + self.own_slots]
+        )  # each flat token's slot
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
         sees_prefix = self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P)
         sees_own = causal.expand(self.B, self.T, self.T)
@@ -391,19 +492,34 @@ class SharedPrefix:
         # (slots, heads, D), token-major, split (not sliced: a slice's backward fills a zero tensor of the whole)
         (q_prefix, q_rows), (k_prefix, k_rows), (v_prefix, v_rows) = (
             x[0].transpose(0, 1).index_select(0, index).split([G * P, index.numel() - G * P])
-            for x, index in ((q, self.query_index), (k, self.key_index), (v, self.key_index)))
+            for x, index in ((q, self.query_index), (k, self.key_index), (v, self.key_index))
+        )
 
         def slots(x, rows, width):  # (rows * width, h, D) -> (rows, h, width, D)
             return x.view(rows, width, x.size(1), D).transpose(1, 2)
 
-        y_prefix = F.scaled_dot_product_attention(slots(q_prefix, G, P), slots(k_prefix, G, P), slots(v_prefix, G, P),
-                                                  is_causal=True, enable_gqa=Hkv != H)
+        y_prefix = F.scaled_dot_product_attention(
+            slots(q_prefix, G, P),
+            slots(k_prefix, G, P),
+            slots(v_prefix, G, P),
+            is_causal=True,
+            enable_gqa=Hkv != H,
+        )
         # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
         g = H // Hkv
         if self.mask is None:  # the same for every layer: made once
             self.mask = self.folded_mask(g, q.dtype)
-        y_rows = F.scaled_dot_product_attention(slots(q_rows, B, T).reshape(B, Hkv, g * T, D), slots(k_rows, B, P + T),
-                                                slots(v_rows, B, P + T), attn_mask=self.mask)
+        y_rows = F.scaled_dot_product_attention(
+            slots(q_rows, B, T).reshape(B, Hkv, g * T, D),
+            slots(k_rows, B, P + T),
+            slots(v_rows, B, P + T),
+            attn_mask=self.mask,
+        )
         y_rows = y_rows.reshape(B, H, T, D)
-        y = torch.cat([y_prefix.transpose(1, 2).reshape(G * P, H, D), y_rows.transpose(1, 2).reshape(B * T, H, D)])
+        y = torch.cat(
+            [
+                y_prefix.transpose(1, 2).reshape(G * P, H, D),
+                y_rows.transpose(1, 2).reshape(B * T, H, D),
+            ]
+        )
         return y.index_select(0, self.output_index)[None].transpose(1, 2)

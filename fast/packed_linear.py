@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MIN_WEIGHT = 2 ** 18  # entries of a weight worth packing: 1 MiB in fp32
+MIN_WEIGHT = 2**18  # entries of a weight worth packing: 1 MiB in fp32
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -30,9 +30,14 @@ def can_pack(weight):
     """Whether oneDNN's packed matmul serves weight: fp32 on an x86 CPU (on ARM torch's own matmuls
     use other libraries), a plain tensor (not FSDP's sharded one), outside CPU autocast (which casts
     the weight itself), oneDNN built into torch."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and type(weight.data) is torch.Tensor and not torch.is_autocast_enabled("cpu")
-            and X86 and torch.backends.mkldnn.is_available())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and type(weight.data) is torch.Tensor
+        and not torch.is_autocast_enabled("cpu")
+        and X86
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def packable(linear):
@@ -48,10 +53,12 @@ def pack(weight, rows):
 
 def packed_forward(packed, bias):
     """x (..., in) -> x @ W.T + bias, the matmul oneDNN's, on W packed by pack()."""
+
     def forward(x):
         if x.dtype != torch.float32:  # can_pack let in fp32 weights only, outside autocast
             raise TypeError(f"a packed Linear takes fp32 inputs, not {x.dtype}")
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     return forward
 
 

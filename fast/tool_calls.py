@@ -25,7 +25,9 @@ A row that opens `<<` and never writes `=` simply continues.
 import torch
 
 OUT, LT, IN = 0, 1, 2  # outside a call, after one '<', inside `<<...` before its '='
-MAX_FORCED = 64  # tokens of one result and its ">>"; the calculator's results are at most 40 characters
+MAX_FORCED = (
+    64  # tokens of one result and its ">>"; the calculator's results are at most 40 characters
+)
 
 
 def _run(text, state):
@@ -51,7 +53,10 @@ def call_tables(tokenizer, device):
     """next_state, fires: (vocab, 3) tables of each token's effect from each state. Special tokens decode to '':
     they change nothing."""
     vocab = tokenizer.vocab_size
-    next_state, fires = torch.zeros(vocab, 3, dtype=torch.long), torch.zeros(vocab, 3, dtype=torch.bool)
+    next_state, fires = (
+        torch.zeros(vocab, 3, dtype=torch.long),
+        torch.zeros(vocab, 3, dtype=torch.bool),
+    )
     for token in range(vocab):
         text = tokenizer.decode([token])
         for state in (OUT, LT, IN):
@@ -70,11 +75,20 @@ class ToolCalls:
         self.tool, self.tokenizer = tool, tokenizer
         self.next_state, self.fires = tables
         self.state = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.opened_at = torch.zeros(num_rows, dtype=torch.long, device=device)  # position of the token with the call's first '<'
-        self.queue = torch.zeros(num_rows, MAX_FORCED, dtype=torch.long, device=device)  # a row's result tokens to feed
+        self.opened_at = torch.zeros(
+            num_rows, dtype=torch.long, device=device
+        )  # position of the token with the call's first '<'
+        self.queue = torch.zeros(
+            num_rows, MAX_FORCED, dtype=torch.long, device=device
+        )  # a row's result tokens to feed
         self.queue_len = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.queue_pos = torch.zeros(num_rows, dtype=torch.long, device=device)  # the next one to feed
-        self.calls, self.errors = [0] * num_rows, [0] * num_rows  # per original row: calls made, and of them refused
+        self.queue_pos = torch.zeros(
+            num_rows, dtype=torch.long, device=device
+        )  # the next one to feed
+        self.calls, self.errors = (
+            [0] * num_rows,
+            [0] * num_rows,
+        )  # per original row: calls made, and of them refused
 
     def feed(self, t, token, running):
         """
@@ -89,7 +103,9 @@ class ToolCalls:
         before = self.state
         self.state = self.next_state[token, before]
         self.opened_at = torch.where((before == OUT) & (self.state != OUT), t, self.opened_at)
-        called = self.fires[token, before] & running  # a finished row still in the batch writes nothing that counts
+        called = (
+            self.fires[token, before] & running
+        )  # a finished row still in the batch writes nothing that counts
         return token, forced, called
 
     def answer(self, t, called, row_ids, out):
@@ -101,11 +117,11 @@ class ToolCalls:
         """
         slots = called.nonzero()[:, 0]
         starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
-        spans = out[:t + 1, row_ids[slots]].T.tolist()
+        spans = out[: t + 1, row_ids[slots]].T.tolist()
         answered, queued, queue_lens = [], [], []
         for slot, start, row, span in zip(slots.tolist(), starts, originals, spans):
             text = self.tokenizer.decode(span[start:])
-            result = self.tool(text[text.rfind("<<") + 2:-1])
+            result = self.tool(text[text.rfind("<<") + 2 : -1])
             self.calls[row] += 1
             if result is None:
                 self.errors[row] += 1

@@ -37,14 +37,34 @@ from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
 # (--fsdp and --activation-checkpointing change where the memory goes, --logprobs how the loss is computed, not what)
-MAY_DIFFER = {"out_dir", "resume", "eval_every", "save_every", "keep_checkpoints", "wandb", "preset",
-              "max_nonfinite", "device_type", "model", "fsdp", "activation_checkpointing", "logprobs"}
+MAY_DIFFER = {
+    "out_dir",
+    "resume",
+    "eval_every",
+    "save_every",
+    "keep_checkpoints",
+    "wandb",
+    "preset",
+    "max_nonfinite",
+    "device_type",
+    "model",
+    "fsdp",
+    "activation_checkpointing",
+    "logprobs",
+}
 
 # settings younger than some checkpoints, and what the runs that saved those computed with
-ADDED = {"mask_truncated": False, "kl_beta": 0.0, "ppo_epochs": 1, "clip_eps": 0.2,
-         "clip_eps_high": -1.0}
+ADDED = {
+    "mask_truncated": False,
+    "kl_beta": 0.0,
+    "ppo_epochs": 1,
+    "clip_eps": 0.2,
+    "clip_eps_high": -1.0,
+}
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above plumbing/
+REPO = os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__))
+)  # the repository root, above plumbing/
 
 
 def load_policy(path, device, dtype=torch.float32, keep_fp32=()):
@@ -54,8 +74,10 @@ def load_policy(path, device, dtype=torch.float32, keep_fp32=()):
     if path == "demo_model":
         path = os.path.join(REPO, "demo_model")
         if not os.path.exists(os.path.join(path, "model.safetensors")):
-            raise RunError(f"{path} is missing its weights: restore it with `git checkout demo_model` "
-                           f"or rebuild it with `python -m scripts.make_demo_model` (about 20 minutes)")
+            raise RunError(
+                f"{path} is missing its weights: restore it with `git checkout demo_model` "
+                f"or rebuild it with `python -m scripts.make_demo_model` (about 20 minutes)"
+            )
     try:  # trained weights stay fp32 (master copy for AdamW); bf16 happens in autocast on CUDA
         model = GPT.from_pretrained(path, device=device, dtype=dtype, keep_fp32=keep_fp32)
         return model, load_tokenizer(path)
@@ -72,12 +94,18 @@ def build_policy(cfg, state, device, dtype=None):
     (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the
     checkpoint.
     """
-    source = (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
+    source = (
+        (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
+    )
     adapter = source if os.path.exists(os.path.join(source, "adapter_config.json")) else None
-    base, rank, alpha, targets = lora.read_adapter_config(adapter) if adapter else (source, 0, 0, [])
+    base, rank, alpha, targets = (
+        lora.read_adapter_config(adapter) if adapter else (source, 0, 0, [])
+    )
     if adapter and cfg.lora_rank and cfg.lora_rank != rank:
-        raise ConfigError(f"--model={adapter} is a rank-{rank} adapter: to train it on, "
-                          f"--lora-rank={rank}; --lora-rank=0 trains its merged model fully")
+        raise ConfigError(
+            f"--model={adapter} is a rank-{rank} adapter: to train it on, "
+            f"--lora-rank={rank}; --lora-rank=0 trains its merged model fully"
+        )
     if cfg.lora_rank and not adapter:
         targets = lora.parse_targets(cfg.lora_targets)
     dtype = dtype or compute_dtype(device)
@@ -95,8 +123,9 @@ def build_policy(cfg, state, device, dtype=None):
         if not cfg.lora_rank:
             lora.merge_adapters(model)
     elif cfg.lora_rank:
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, targets, seed=cfg.seed,
-                          base_dtype=base_dtype)
+        lora.add_adapters(
+            model, cfg.lora_rank, cfg.lora_alpha, targets, seed=cfg.seed, base_dtype=base_dtype
+        )
     if state and cfg.lora_rank:
         lora.load_adapter(model, os.path.join(state["model_dir"], "adapter"))
     return model, tokenizer
@@ -111,9 +140,11 @@ def reference_policy(cfg, model, state, device):
         return None
     if lora.has_adapters(model):  # from a PEFT adapter: the KL to its base, as TRL measures it
         if lora.whole_modules(model):
-            raise ConfigError("--kl-beta with LoRA measures the KL to the base, adapters off; "
-                              "the embeddings or head it trains whole have no base left: drop "
-                              "them from --lora-targets")
+            raise ConfigError(
+                "--kl-beta with LoRA measures the KL to the base, adapters off; "
+                "the embeddings or head it trains whole have no base left: drop "
+                "them from --lora-targets"
+            )
         return lambda: lora.adapters_off(model)
     start = SimpleNamespace(**vars(cfg))
     start.model = state["config"]["model"] if state else cfg.model
@@ -170,7 +201,10 @@ def has_run(out_dir):
 
 def save(cfg, step, model, tokenizer, optimizer, rank, world):
     """Every rank calls this (to hand over its RNG state, and under FSDP its shards); rank 0 writes the rest."""
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
     rngs = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
@@ -188,9 +222,13 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
     if sharded:  # every rank: the weights gathered tensor by tensor, and its own shard of the optimizer state
         dist.barrier()  # the temporary folder exists, and no leftover is being deleted under another rank
         fsdp.save_weights(model, tmp, rank)
-    saved_optimizer = fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))  # None: in optimizer/
+    saved_optimizer = fsdp.save_optimizer(
+        model, optimizer, os.path.join(tmp, "optimizer")
+    )  # None: in optimizer/
     if rank == 0:
-        if lora.has_adapters(model):  # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
+        if lora.has_adapters(
+            model
+        ):  # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
             write_weights(tmp, lora.merged_state_dict(model))
             write_config(tmp, model.config, torch.float32)
             adapter = os.path.join(tmp, "adapter")  # its base, as seen from step_N/adapter
@@ -199,9 +237,17 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
         elif not sharded:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        state = {"step": step, "optimizer": saved_optimizer, "rng": rngs, "world_size": world, "config": vars(cfg)}
+        state = {
+            "step": step,
+            "optimizer": saved_optimizer,
+            "rng": rngs,
+            "world_size": world,
+            "config": vars(cfg),
+        }
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename makes them visible
+        for folder, _, names in os.walk(
+            tmp
+        ):  # make the bytes durable before the rename makes them visible
             for name in names:
                 with open(os.path.join(folder, name), "rb") as f:
                     os.fsync(f.fileno())
@@ -211,7 +257,7 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
         os.replace(tmp, final)
         _fsync_dir(cfg.out_dir)  # the rename itself survives a power cut
         print(f"checkpoint: wrote {final}")
-        for old in _ckpt_dirs(cfg.out_dir)[:-cfg.keep_checkpoints]:
+        for old in _ckpt_dirs(cfg.out_dir)[: -cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(cfg.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
@@ -232,14 +278,18 @@ def resume_point(cfg, world, device, restarted=False):
     resumes by itself: its command line is the first start's. Every rank must find the same one."""
     resume = cfg.resume or restarted
     if not resume and has_run(cfg.out_dir):
-        raise ConfigError(f"{cfg.out_dir} already holds a run, which a new one would overwrite: to continue it, give the "
-                          f"same command plus --resume; to start another, pass --out-dir={_free_folder(cfg.out_dir)}")
+        raise ConfigError(
+            f"{cfg.out_dir} already holds a run, which a new one would overwrite: to continue it, give the "
+            f"same command plus --resume; to start another, pass --out-dir={_free_folder(cfg.out_dir)}"
+        )
     start_step, state = find_resumable(cfg, world) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
         found = torch.tensor([start_step, -start_step], device=device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         if found[0] != -found[1]:
-            raise ConfigError(f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see")
+            raise ConfigError(
+                f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see"
+            )
     return start_step, state
 
 
@@ -259,30 +309,52 @@ def find_resumable(cfg, world):
         return 0, None
     path = os.path.join(cfg.out_dir, dirs[-1])
     try:
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        state = torch.load(
+            os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True
+        )
         with open(os.path.join(path, "config.json")) as f:
             json.load(f)
         with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
             list(f.keys())
-        if state["optimizer"] is None and not os.path.exists(os.path.join(path, "optimizer", ".metadata")):
-            raise FileNotFoundError("its optimizer/ folder of per-rank shards (an --fsdp run's) is missing or incomplete")
+        if state["optimizer"] is None and not os.path.exists(
+            os.path.join(path, "optimizer", ".metadata")
+        ):
+            raise FileNotFoundError(
+                "its optimizer/ folder of per-rank shards (an --fsdp run's) is missing or incomplete"
+            )
     except Exception as e:
-        raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
-                          f"move it away to resume from an earlier one") from None
+        raise ConfigError(
+            f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
+            f"move it away to resume from an earlier one"
+        ) from None
     saved = {**ADDED, **state["config"]}
-    if saved.get("loss_norm") == "token":  # kept_tokens' name in earlier checkpoints: the same computation
+    if (
+        saved.get("loss_norm") == "token"
+    ):  # kept_tokens' name in earlier checkpoints: the same computation
         saved = {**saved, "loss_norm": "kept_tokens"}
-    differs = [k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)]
+    differs = [
+        k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)
+    ]
     if state.get("world_size") != world:
         differs.append(f"world size ({state.get('world_size')} -> {world})")
     if differs:
-        detail = ", ".join(f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs)
+        detail = ", ".join(
+            f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs
+        )
         hint = ""
-        if "rows_fingerprint" in differs:  # the same flags, other rows: a data file edited or a hub data set updated
-            hint = "; rows_fingerprint hashes the training rows: these are not the rows it trained on"
-        if {"num_steps", "num_epochs"} & set(differs):  # the learning rate decays to 0 over the run's length
-            hint = (f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
-                    f"start a new run with --model={path} and a new --out-dir")
+        if (
+            "rows_fingerprint" in differs
+        ):  # the same flags, other rows: a data file edited or a hub data set updated
+            hint = (
+                "; rows_fingerprint hashes the training rows: these are not the rows it trained on"
+            )
+        if {"num_steps", "num_epochs"} & set(
+            differs
+        ):  # the learning rate decays to 0 over the run's length
+            hint = (
+                f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
+                f"start a new run with --model={path} and a new --out-dir"
+            )
         raise ConfigError(f"checkpoint {path} was made with different settings: {detail}{hint}")
     state["model_dir"] = path
     return state["step"], state
@@ -293,7 +365,9 @@ def restore(state, model, optimizer, rank):
     fresh run's: nothing."""
     if state is None:
         return
-    fsdp.restore_optimizer(model, optimizer, state["optimizer"], os.path.join(state["model_dir"], "optimizer"))
+    fsdp.restore_optimizer(
+        model, optimizer, state["optimizer"], os.path.join(state["model_dir"], "optimizer")
+    )
     rng = state["rng"][rank]
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():

@@ -24,8 +24,16 @@ def setup_distributed(device_type, fsdp=False):
     """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU. FSDP needs a process
     group even for one process: it gets a group of one."""
     if not device_type:
-        device_type = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+        device_type = (
+            "cuda"
+            if torch.cuda.is_available()
+            else "mps"
+            if torch.backends.mps.is_available()
+            else "cpu"
+        )
+    rank, world, local_rank = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    )
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -33,7 +41,9 @@ def setup_distributed(device_type, fsdp=False):
         device = torch.device(device_type)
         # ranks sharing one CPU split its cores instead of fighting over them (unless the user said otherwise)
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+            torch.set_num_threads(
+                max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            )
     if world > 1 and not dist.is_initialized():
         # torchrun --max-restarts keeps one key-value store across the restarts of a group, and the
         # old group's rank addresses are still in it: a restarted rank can read a dead peer's address
@@ -52,9 +62,14 @@ def init_process_group(device, store, rank, world):
     its GPU instead of guessing it from the rank), gloo elsewhere; collectives wait up to
     COLLECTIVE_TIMEOUT."""
     cuda = device.type == "cuda"
-    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT,
-                            device_id=device if cuda else None)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+        device_id=device if cuda else None,
+    )
 
 
 def compute_dtype(device):

@@ -26,6 +26,7 @@ from policy import lora
 from tasks import generic
 from tasks.common import get_task
 
+
 class RunError(Exception):
     """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite.
     every_rank: every rank stops for this same reason (a bad flag, a verdict on summed figures), so rank 0 says it."""
@@ -59,7 +60,9 @@ def run(train, hyperparameters, presets, doc, argv):
     except RunError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"chat_rl: error: {e}", file=sys.stderr)
-        elif os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun stops every rank once one exits: rank 0 speaks first
+        elif os.environ.get(
+            "TORCHELASTIC_RUN_ID"
+        ):  # torchrun stops every rank once one exits: rank 0 speaks first
             time.sleep(1.0)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
@@ -77,15 +80,21 @@ def parse_config(argv, hyperparameters, presets=None, doc=""):
         try:
             print_help(hyperparameters, presets, doc)
             sys.stdout.flush()
-        except BrokenPipeError:  # `--help | head` closed the pipe: what it read is all that was wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        except (
+            BrokenPipeError
+        ):  # `--help | head` closed the pipe: what it read is all that was wanted
+            os.dup2(
+                os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+            )  # no second error when Python flushes at exit
         sys.exit(0)
     flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         i += 1
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r} (flags look like --name=value or --name value)")
+            raise ConfigError(
+                f"unexpected argument {arg!r} (flags look like --name=value or --name value)"
+            )
         name, has_value, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name != "preset" and name not in hyperparameters:
@@ -95,11 +104,18 @@ def parse_config(argv, hyperparameters, presets=None, doc=""):
         is_bool = name != "preset" and isinstance(hyperparameters[name][0], bool)
         next_is_value = i < len(argv) and not argv[i].startswith("--")
         if not has_value and next_is_value and (not is_bool or argv[i].lower() in _BOOLS):
-            value, has_value = argv[i], True  # --name value (a bool takes the next word only if it is one)
+            value, has_value = (
+                argv[i],
+                True,
+            )  # --name value (a bool takes the next word only if it is one)
             i += 1
         if not has_value and not is_bool:
             raise ConfigError(f"--{name.replace('_', '-')} needs a value")
-        flags[name] = value if name == "preset" else _convert(name, value if has_value else "true", hyperparameters[name][0])
+        flags[name] = (
+            value
+            if name == "preset"
+            else _convert(name, value if has_value else "true", hyperparameters[name][0])
+        )
     if "data" in flags and "task" not in flags:
         flags["task"] = "data"  # your own rows, without naming a task: the generic one
     preset = flags.pop("preset", "")
@@ -118,12 +134,18 @@ def preset_note(cfg, presets):
     if not tuned_for or cfg.model == tuned_for:
         return ""
     preset = presets[cfg.preset]
-    kept = [f"--{name.replace('_', '-')}={value}" for name, value in preset.items()
-            if name in ("lr", "lora_lr", "max_new_tokens", "eval_examples", "eval_samples") and getattr(cfg, name) == value]
+    kept = [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in preset.items()
+        if name in ("lr", "lora_lr", "max_new_tokens", "eval_examples", "eval_samples")
+        and getattr(cfg, name) == value
+    ]
     if not kept:
         return ""
-    return (f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; with --model={cfg.model} it "
-            f"still sets {' '.join(kept)}: give your model's own values (README, \"A real model on a laptop\")")
+    return (
+        f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; with --model={cfg.model} it "
+        f'still sets {" ".join(kept)}: give your model\'s own values (README, "A real model on a laptop")'
+    )
 
 
 def _convert(name, value, default):
@@ -134,13 +156,21 @@ def _convert(name, value, default):
             return value.lower() in ("true", "1")
         return type(default)(value)
     except ValueError:
-        raise ConfigError(f"--{name.replace('_', '-')}={value!r}: expected {type(default).__name__}") from None
+        raise ConfigError(
+            f"--{name.replace('_', '-')}={value!r}: expected {type(default).__name__}"
+        ) from None
 
 
 def print_help(hyperparameters, presets, doc):
-    print(doc.strip().split("\n")[0])  # the docstring's summary line: one whole sentence (a test holds it so)
-    print(f"\nusage: python -m chat_rl [--preset={'|'.join(presets)}] [--name=value | --name value ...]\n")
-    width = max(len(name) for name in hyperparameters) + 2  # the longest flag, --activation-checkpointing
+    print(
+        doc.strip().split("\n")[0]
+    )  # the docstring's summary line: one whole sentence (a test holds it so)
+    print(
+        f"\nusage: python -m chat_rl [--preset={'|'.join(presets)}] [--name=value | --name value ...]\n"
+    )
+    width = (
+        max(len(name) for name in hyperparameters) + 2
+    )  # the longest flag, --activation-checkpointing
     print(f"  {'flag':<{width}} {'default':<28} meaning")
     for name, (default, help) in hyperparameters.items():
         print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {help}")
@@ -151,21 +181,40 @@ def print_help(hyperparameters, presets, doc):
 
 def check_config(cfg, world_size):
     """Impossible or nonsensical settings, each refused with its reason."""
-    for name in ("examples_per_step", "num_samples", "max_new_tokens", "device_batch_size", "device_batch_tokens", "eval_examples",
-                 "eval_samples", "generate_batch_rows", "num_epochs", "keep_checkpoints", "max_nonfinite"):
+    for name in (
+        "examples_per_step",
+        "num_samples",
+        "max_new_tokens",
+        "device_batch_size",
+        "device_batch_tokens",
+        "eval_examples",
+        "eval_samples",
+        "generate_batch_rows",
+        "num_epochs",
+        "keep_checkpoints",
+        "max_nonfinite",
+    ):
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}"
+            )
     for name in ("eval_every", "save_every", "num_steps"):
         value = getattr(cfg, name)
         if value == 0 or value < -1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive or -1 (off/derived), got {value}")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be positive or -1 (off/derived), got {value}"
+            )
     if cfg.examples_per_step % world_size:
         lower = cfg.examples_per_step - cfg.examples_per_step % world_size
-        raise ConfigError(f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks: "
-                          f"use a multiple of {world_size}, e.g. {', '.join(str(n) for n in (lower, lower + world_size) if n > 0)}")
+        raise ConfigError(
+            f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks: "
+            f"use a multiple of {world_size}, e.g. {', '.join(str(n) for n in (lower, lower + world_size) if n > 0)}"
+        )
     for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
         if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}"
+            )
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be above 0, got {cfg.lr}")
     for name in ("temperature", "top_k", "grad_clip", "format_weight"):
@@ -173,17 +222,23 @@ def check_config(cfg, world_size):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.num_samples < 2 or cfg.temperature == 0:
         # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
-        raise ConfigError(f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})")
+        raise ConfigError(
+            f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})"
+        )
     if cfg.device_batch_tokens < cfg.max_new_tokens:
         # a micro-batch never splits a row, so a row past the budget would run alone, over it, and slowly
-        raise ConfigError(f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
-                          f"one completion, without its prompt, may need more than a micro-batch holds")
+        raise ConfigError(
+            f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
+            f"one completion, without its prompt, may need more than a micro-batch holds"
+        )
     if cfg.logprobs not in ("fast", "plain"):
         raise ConfigError(f"unknown --logprobs {cfg.logprobs!r} (fast | plain)")
     if cfg.tool not in ("calculator", "none"):
         raise ConfigError(f"unknown --tool {cfg.tool!r} (calculator | none)")
     if cfg.device_type not in ("", "cpu", "cuda", "mps"):
-        raise ConfigError(f"unknown --device-type {cfg.device_type!r} (cpu | cuda | mps, or empty to autodetect)")
+        raise ConfigError(
+            f"unknown --device-type {cfg.device_type!r} (cpu | cuda | mps, or empty to autodetect)"
+        )
     if cfg.device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device-type=cuda but no CUDA device is visible")
     if cfg.device_type == "mps" and not torch.backends.mps.is_available():
@@ -191,29 +246,52 @@ def check_config(cfg, world_size):
     if cfg.fsdp and cfg.device_type == "mps":
         raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
     if cfg.loss_norm == "token":  # earlier versions' name for kept_tokens
-        raise ConfigError("--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too")
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in ("kept_tokens", "all_tokens", "sequence"):
-        raise ConfigError("--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence")
+        raise ConfigError(
+            "--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too"
+        )
+    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in (
+        "kept_tokens",
+        "all_tokens",
+        "sequence",
+    ):
+        raise ConfigError(
+            "--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence"
+        )
     check_objective(cfg)
     check_model_path(cfg.model)
-    for name, parameter in inspect.signature(generic.make).parameters.items():  # the generic task's options
+    for name, parameter in inspect.signature(
+        generic.make
+    ).parameters.items():  # the generic task's options
         if cfg.task != "data" and getattr(cfg, name) != parameter.default:
-            raise ConfigError(f"--{name.replace('_', '-')} is for --task=data, your own rows; --task={cfg.task} reads its "
-                              f"own columns and grades with its own verifier")
-    if cfg.lora_rank < 0 or cfg.lora_alpha <= 0 or not cfg.lora_lr > 0 or not math.isfinite(cfg.lora_lr + cfg.lora_alpha):
-        raise ConfigError(f"--lora-rank must be >= 0 (0 = off), --lora-alpha and --lora-lr above 0 (got {cfg.lora_rank}, "
-                          f"{cfg.lora_alpha}, {cfg.lora_lr})")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} is for --task=data, your own rows; --task={cfg.task} reads its "
+                f"own columns and grades with its own verifier"
+            )
+    if (
+        cfg.lora_rank < 0
+        or cfg.lora_alpha <= 0
+        or not cfg.lora_lr > 0
+        or not math.isfinite(cfg.lora_lr + cfg.lora_alpha)
+    ):
+        raise ConfigError(
+            f"--lora-rank must be >= 0 (0 = off), --lora-alpha and --lora-lr above 0 (got {cfg.lora_rank}, "
+            f"{cfg.lora_alpha}, {cfg.lora_lr})"
+        )
     if cfg.lora_rank and cfg.fsdp:
-        raise ConfigError("--lora-rank with --fsdp is not built: LoRA's frozen bf16 base is 2 bytes a parameter (a 7B model, "
-                          "15 GB, fits one 24 GB GPU), so ranks hold all of it (plain DDP); sharding it beside fp32 adapters "
-                          "is untested here")
+        raise ConfigError(
+            "--lora-rank with --fsdp is not built: LoRA's frozen bf16 base is 2 bytes a parameter (a 7B model, "
+            "15 GB, fits one 24 GB GPU), so ranks hold all of it (plain DDP); sharding it beside fp32 adapters "
+            "is untested here"
+        )
     try:
         lora.parse_targets(cfg.lora_targets)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.eval_data and not cfg.data:
         raise ConfigError("--eval-data names the held-out rows of --data: give --data too")
-    load_task(cfg)  # a user's task or reward that cannot be loaded stops the run here, before any data or model
+    load_task(
+        cfg
+    )  # a user's task or reward that cannot be loaded stops the run here, before any data or model
 
 
 def check_objective(cfg):
@@ -225,21 +303,29 @@ def check_objective(cfg):
     if not 0 <= cfg.clip_eps < 1:  # 1 - clip_eps bounds a ratio, which is > 0
         raise ConfigError(f"--clip-eps must be in [0, 1), got {cfg.clip_eps}")
     if cfg.clip_eps_high != -1 and not 0 <= cfg.clip_eps_high < math.inf:
-        raise ConfigError(f"--clip-eps-high must be -1 (= --clip-eps) or a finite number >= 0, "
-                          f"got {cfg.clip_eps_high}")
+        raise ConfigError(
+            f"--clip-eps-high must be -1 (= --clip-eps) or a finite number >= 0, "
+            f"got {cfg.clip_eps_high}"
+        )
     if cfg.kl_beta > 0 and cfg.fsdp:
-        raise ConfigError("--kl-beta with --fsdp is not built: its frozen reference would be "
-                          "a whole, unsharded copy of the model on every rank")
+        raise ConfigError(
+            "--kl-beta with --fsdp is not built: its frozen reference would be "
+            "a whole, unsharded copy of the model on every rank"
+        )
 
 
 def load_task(cfg):
     """The task --task names, with the generic task's options; what cannot be loaded is a ConfigError, before any data
     or model is touched."""
     if cfg.task == "data" and not cfg.data:
-        raise ConfigError("--task=data trains on your own rows: name them with --data=<file, folder or hub id>")
+        raise ConfigError(
+            "--task=data trains on your own rows: name them with --data=<file, folder or hub id>"
+        )
     try:
         if cfg.task == "data":
-            return generic.make(cfg.prompt_column, cfg.answer_column, cfg.instruction, cfg.verifier, cfg.reward)
+            return generic.make(
+                cfg.prompt_column, cfg.answer_column, cfg.instruction, cfg.verifier, cfg.reward
+            )
         return get_task(cfg.task)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -249,16 +335,30 @@ def check_model_path(model):
     """--model names a Hugging Face folder, a PEFT LoRA folder, "demo_model" or a hub id: a file, a run's folder or a
     folder without a config.json (or adapter_config.json) is refused with what to give instead."""
     if os.path.isfile(model):
-        raise ConfigError(f"--model={model!r} is a file: give the folder that holds its config.json and safetensors")
-    if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in ("config.json", "adapter_config.json")):
-        steps = sorted(d for d in os.listdir(model) if d.startswith("step_") and os.path.isdir(os.path.join(model, d)))
+        raise ConfigError(
+            f"--model={model!r} is a file: give the folder that holds its config.json and safetensors"
+        )
+    if os.path.isdir(model) and not any(
+        os.path.exists(os.path.join(model, f)) for f in ("config.json", "adapter_config.json")
+    ):
+        steps = sorted(
+            d
+            for d in os.listdir(model)
+            if d.startswith("step_") and os.path.isdir(os.path.join(model, d))
+        )
         if steps:
-            raise ConfigError(f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, the latest "
-                              f"{os.path.join(model, steps[-1])}")
-        raise ConfigError(f"--model={model!r} holds no config.json: not a Hugging Face model folder")
+            raise ConfigError(
+                f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, the latest "
+                f"{os.path.join(model, steps[-1])}"
+            )
+        raise ConfigError(
+            f"--model={model!r} holds no config.json: not a Hugging Face model folder"
+        )
     if model != "demo_model" and not os.path.isdir(model) and not _looks_like_hub_id(model):
-        raise ConfigError(f"--model={model!r}: no such folder (a name is downloaded as a hub id only if it "
-                          f"looks like Org/Name, e.g. Qwen/Qwen2.5-0.5B-Instruct, and no folder Org is here)")
+        raise ConfigError(
+            f"--model={model!r}: no such folder (a name is downloaded as a hub id only if it "
+            f"looks like Org/Name, e.g. Qwen/Qwen2.5-0.5B-Instruct, and no folder Org is here)"
+        )
 
 
 def _looks_like_hub_id(name):

@@ -34,10 +34,18 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from plumbing.distributed import compute_dtype, is_sharded
@@ -60,8 +68,9 @@ def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
     dtype = dtype or compute_dtype(device)
     policy = MixedPrecisionPolicy()
     if dtype != torch.float32:
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
-                                      cast_forward_inputs=False)
+        policy = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     # the root holds what is left (embeddings, final norm, head: the tied head shares embed_tokens' shard);
@@ -99,7 +108,9 @@ def gathered(model):
     finally:
         for unit in units(model):
             unit.reshard()
-            unit.set_reshard_after_forward(unit is not model, recurse=False)  # as prepare() set them
+            unit.set_reshard_after_forward(
+                unit is not model, recurse=False
+            )  # as prepare() set them
 
 
 def match_passes(model, passes, logprobs, device):
@@ -112,15 +123,23 @@ def match_passes(model, passes, logprobs, device):
         return
     most = torch.tensor(passes, device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    inputs, targets = torch.zeros(1, 1, dtype=torch.long, device=device), torch.full((1, 1), -1, device=device)
+    inputs, targets = (
+        torch.zeros(1, 1, dtype=torch.long, device=device),
+        torch.full((1, 1), -1, device=device),
+    )
     for _ in range(int(most) - passes):
-        logprobs(model, inputs, targets, 1.0, loss_grad=torch.zeros(1, 1, device=device)).sum().backward()
+        logprobs(
+            model, inputs, targets, 1.0, loss_grad=torch.zeros(1, 1, device=device)
+        ).sum().backward()
 
 
 def state_bytes(model, optimizer):
     """Bytes this rank holds of weights, gradients and optimizer state: its local shards under FSDP."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
-               *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+    tensors = [
+        *model.parameters(),
+        *(p.grad for p in model.parameters() if p.grad is not None),
+        *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+    ]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
 
@@ -135,13 +154,19 @@ def save_weights(model, path, rank):
     written by rank 0 and freed, so no rank ever holds a second whole model. The file is the safetensors layout written by hand: 8 bytes of
     header length, a JSON header (name -> dtype, shape, byte range), then the tensors' bytes in that order."""
     state = model.state_dict()  # the model's names (fully_shard keeps them) -> DTensor shards
-    layout = model.hf_layout()  # the checkpoint's tensors, in its order: fused Linears split into their parts
+    layout = (
+        model.hf_layout()
+    )  # the checkpoint's tensors, in its order: fused Linears split into their parts
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, own, rows in layout:
         t = state[own]
         shape = list(t.shape) if rows is None else [rows.stop - rows.start, *t.shape[1:]]
         size = math.prod(shape) * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # the tensors start 8-byte aligned, as safetensors writes them
@@ -153,10 +178,14 @@ def save_weights(model, path, rank):
         full = {}  # the gathered parameters whose parts are not all written yet: one module's at most
         for i, (name, own, rows) in enumerate(layout):
             if own not in full:
-                full[own] = state[own].full_tensor()  # an all-gather: every rank, the same tensors in the same order
+                full[own] = state[
+                    own
+                ].full_tensor()  # an all-gather: every rank, the same tensors in the same order
             if f:
                 piece = full[own] if rows is None else full[own][rows]
-                f.write(piece.detach().cpu().contiguous().view(torch.uint8).numpy())  # little-endian, as safetensors
+                f.write(
+                    piece.detach().cpu().contiguous().view(torch.uint8).numpy()
+                )  # little-endian, as safetensors
             if last_use[own] == i:
                 del full[own]
     finally:
@@ -186,12 +215,24 @@ def restore_optimizer(model, optimizer, saved, path):
         return  # saved before the first update: AdamW creates its state at its first step, as here
     if saved is not None and not is_sharded(model):
         optimizer.load_state_dict(saved)
-    elif saved is not None:  # a replicated run's state into shards: each rank keeps its part of every tensor
-        names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
-        by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
-                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    elif (
+        saved is not None
+    ):  # a replicated run's state into shards: each rank keeps its part of every tensor
+        names = [
+            name for name, _ in model.named_parameters()
+        ]  # optimizer.state_dict() numbers them in this order
+        by_name = {
+            "state": {names[i]: s for i, s in saved["state"].items()},
+            "param_groups": [
+                {**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(
+            model, optimizer, by_name, options=StateDictOptions(full_state_dict=True)
+        )
     else:  # shards into this run's layout, sharded or whole: dcp.load fills the tensors it is given
-        state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (it creates AdamW's state)
+        state = get_optimizer_state_dict(
+            model, optimizer
+        )  # the layout to fill (it creates AdamW's state)
         dcp.load(state, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, state)

@@ -15,21 +15,41 @@ from plumbing.distributed import all_reduce_sum
 from plumbing.flags import RunError
 
 # train-row means over every completion of every rank: metric name -> per-row list of rollout()
-MEANS = {"reward": "total", "reward_answer": "answer", "reward_format": "format", "seq_len": "tokens",
-         "truncated": "truncated", "tool_use": "tool_use", "tool_calls": "tool_calls", "tool_errors": "tool_errors"}
+MEANS = {
+    "reward": "total",
+    "reward_answer": "answer",
+    "reward_format": "format",
+    "seq_len": "tokens",
+    "truncated": "truncated",
+    "tool_use": "tool_use",
+    "tool_calls": "tool_calls",
+    "tool_errors": "tool_errors",
+}
 
 
 def step_metrics(step, out, t_rollout, device, world, **values):
     """One train row: the rollout's means over all ranks (summed by name, then divided by the number
     of completions), the rollout tokens/s of all ranks together, and the step's own values."""
     local = {name: float(sum(out[key])) for name, key in MEANS.items()}
-    local.update(completions=len(out["total"]), rollout_s=t_rollout, reward_errors=sum(e is not None for e in out["reward_errors"]))
+    local.update(
+        completions=len(out["total"]),
+        rollout_s=t_rollout,
+        reward_errors=sum(e is not None for e in out["reward_errors"]),
+    )
     names = sorted(local)  # every rank packs the same names in the same order
-    sums = dict(zip(names, all_reduce_sum(torch.tensor([local[k] for k in names], device=device)).tolist()))
-    row = {"step": step, **{name: sums[name] / sums["completions"] for name in MEANS}, **values,
-           "reward_errors": int(sums["reward_errors"]),  # completions whose reward raised or was not a number: scored 0
-           # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
-           "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world)}
+    sums = dict(
+        zip(names, all_reduce_sum(torch.tensor([local[k] for k in names], device=device)).tolist())
+    )
+    row = {
+        "step": step,
+        **{name: sums[name] / sums["completions"] for name in MEANS},
+        **values,
+        "reward_errors": int(
+            sums["reward_errors"]
+        ),  # completions whose reward raised or was not a number: scored 0
+        # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
+        "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world),
+    }
     if device.type == "cuda":
         row["peak_mem_gb"] = peak_memory_gb(device)
     return {k: _json_number(v) for k, v in row.items()}
@@ -61,12 +81,16 @@ def peak_memory_gb(device):
 def console_line(row, num_steps, last_pass1, eta_s, tool=False):
     """One line a step: pass@1 of the last eval, if there has been one; with the tool on, the share of
     completions that called it."""
-    return (f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | "
-            + (f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else "")  # nan: no eval yet (or evals off)
-            + (f"tool {row['tool_use']:.2f} | " if tool else "")
-            + (f"reward errors {row['reward_errors']} | " if row.get("reward_errors") else "")
-            + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
-            f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min")
+    return (
+        f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | "
+        + (
+            f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else ""
+        )  # nan: no eval yet (or evals off)
+        + (f"tool {row['tool_use']:.2f} | " if tool else "")
+        + (f"reward errors {row['reward_errors']} | " if row.get("reward_errors") else "")
+        + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
+        f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min"
+    )
 
 
 def eval_line(step, metrics):
@@ -81,18 +105,28 @@ def start_line(cfg, model, world, device, start_step, num_steps, resumed):
     and where it writes."""
     steps = "eval only" if cfg.eval_only else f"{start_step}->{num_steps}"
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params = f"{model.num_params() / 1e6:.1f}M params" + (f", {trained:,} of them trained" if cfg.lora_rank else "")
-    return (f"chat_rl: task={cfg.task} model={cfg.model} ({params}) ranks={world} "
-            f"device={device.type} steps={steps} out={cfg.out_dir}"
-            + (" (--resume: no checkpoint there yet, so from step 0)" if cfg.resume and not resumed else ""))
+    params = f"{model.num_params() / 1e6:.1f}M params" + (
+        f", {trained:,} of them trained" if cfg.lora_rank else ""
+    )
+    return (
+        f"chat_rl: task={cfg.task} model={cfg.model} ({params}) ranks={world} "
+        f"device={device.type} steps={steps} out={cfg.out_dir}"
+        + (
+            " (--resume: no checkpoint there yet, so from step 0)"
+            if cfg.resume and not resumed
+            else ""
+        )
+    )
 
 
 def reward_errors_line(counts):
     """How many completions' reward failed in the run, if any; counts: {"train": n, "eval": m}."""
     if not any(counts.values()):
         return ""
-    return (f"the reward failed on {counts['train']:,} training and {counts['eval']:,} eval "
-            f"completions, each scored 0 (reward_errors in metrics.jsonl; each kind shown above)\n")
+    return (
+        f"the reward failed on {counts['train']:,} training and {counts['eval']:,} eval "
+        f"completions, each scored 0 (reward_errors in metrics.jsonl; each kind shown above)\n"
+    )
 
 
 def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
@@ -109,10 +143,14 @@ def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
     path = os.path.join(out_dir, f"step_{step:06d}")
     if stopped or step < num_steps:
         saved = f"checkpoint in {path}" if step > 0 else "no step had finished, so no checkpoint"
-        return (f"stopped at step {step}/{num_steps} after {minutes:.1f} min; {saved}\n"
-                f"to continue: the same command, with all its flags, plus --resume")
-    return (f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
-            f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)")
+        return (
+            f"stopped at step {step}/{num_steps} after {minutes:.1f} min; {saved}\n"
+            f"to continue: the same command, with all its flags, plus --resume"
+        )
+    return (
+        f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
+        f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)"
+    )
 
 
 class Eta:
@@ -145,8 +183,11 @@ def report_reward_errors(errors):
     for error in errors:
         if error is not None and (kind := error.split(": ", 1)[0]) not in REPORTED:
             REPORTED.add(kind)
-            print(f"chat_rl: the reward failed, scoring 0 (counted in reward_errors; each kind "
-                  f"shown once): {error}", flush=True)
+            print(
+                f"chat_rl: the reward failed, scoring 0 (counted in reward_errors; each kind "
+                f"shown once): {error}",
+                flush=True,
+            )
     return sum(error is not None for error in errors)
 
 
@@ -166,8 +207,10 @@ def check_nonfinite(finite, kept_tokens, in_row, max_in_row, step, print0):
         return 0 if kept_tokens > 0 else in_row
     print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
     if in_row + 1 >= max_in_row:
-        raise RunError(f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype",
-                       every_rank=True)  # loss and norm are of the step summed over ranks: every rank stops here
+        raise RunError(
+            f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype",
+            every_rank=True,
+        )  # loss and norm are of the step summed over ranks: every rank stops here
     return in_row + 1
 
 
@@ -193,18 +236,25 @@ class MetricsLog:
         os.makedirs(out_dir, exist_ok=True)
         for name in ("metrics", "samples"):
             path = os.path.join(out_dir, f"{name}.jsonl")
-            if keep_below_step:  # rewrite under a temporary name: a kill now must not lose the history
+            if (
+                keep_below_step
+            ):  # rewrite under a temporary name: a kill now must not lose the history
                 kept = _rows_below(path, keep_below_step)
                 with open(path + ".tmp", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in kept)
                 os.replace(path + ".tmp", path)
                 if name == "metrics":
-                    self.last_eval = next((r for r in reversed(kept) if r.get("split") == "eval"), {})
+                    self.last_eval = next(
+                        (r for r in reversed(kept) if r.get("split") == "eval"), {}
+                    )
             self.files[name] = open(path, "a" if keep_below_step else "w")
         if wandb_project:
             import hashlib
             import wandb  # optional dependency, only when asked for
-            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:12]  # a resumed run continues its W&B run
+
+            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[
+                :12
+            ]  # a resumed run continues its W&B run
             self.wandb = wandb.init(project=wandb_project, config=config, id=run_id, resume="allow")
 
     def write(self, row, samples=()):
@@ -219,7 +269,10 @@ class MetricsLog:
         self.files["samples"].flush()
         if self.wandb is not None:
             prefix = "eval/" if row.get("split") == "eval" else "train/"
-            self.wandb.log({prefix + k: v for k, v in row.items() if k not in ("step", "split")}, step=row["step"])
+            self.wandb.log(
+                {prefix + k: v for k, v in row.items() if k not in ("step", "split")},
+                step=row["step"],
+            )
 
     def close(self):
         for f in self.files.values():

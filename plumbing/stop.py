@@ -54,8 +54,11 @@ class StopFlag:
         self.flag, self.first = True, now
         name = signal.Signals(signum).name
         # os.write, not print: print is not safe inside a signal handler (re-entrant stdout)
-        os.write(2, f"\nchat_rl: got {name}: stopping, with the last finished step "
-                    f"(another {name}: at once)\n".encode())
+        os.write(
+            2,
+            f"\nchat_rl: got {name}: stopping, with the last finished step "
+            f"(another {name}: at once)\n".encode(),
+        )
         # a signal pending as a block ends is handled as its __exit__ starts: not raised there,
         # where it would escape the with-statement; __exit__'s first line disarms
         if self.armed and frame is not None and frame.f_code is not _Abandonable.__exit__.__code__:

@@ -25,7 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from policy.hf_folder import config_fields, read_json, read_weights, resolve_folder, write_config, write_weights
+from policy.hf_folder import (
+    config_fields,
+    read_json,
+    read_weights,
+    resolve_folder,
+    write_config,
+    write_weights,
+)
 from fast.logprobs import token_nll
 
 
@@ -37,19 +44,23 @@ class GPTConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 0              # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama-3.1 style {"rope_type": "llama3", ...}; None = plain RoPE
+    rope_scaling: dict | None = (
+        None  # Llama-3.1 style {"rope_type": "llama3", ...}; None = plain RoPE
+    )
     max_position_embeddings: int = 2048
-    attention_bias: bool = False   # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False          # Qwen3: RMSNorm on each head's q and k before RoPE
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
+        assert self.num_attention_heads % self.num_key_value_heads == 0, (
+            "GQA needs heads % kv_heads == 0"
+        )
 
     def to_dict(self):
         return asdict(self)
@@ -62,7 +73,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        if x.dtype == self.weight.dtype == torch.float32:  # one call with the weight: one kernel on CUDA
+        if (
+            x.dtype == self.weight.dtype == torch.float32
+        ):  # one call with the weight: one kernel on CUDA
             return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         # normalize in fp32 (as the reference implementations do), scale in the input dtype
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
@@ -97,24 +110,44 @@ def apply_rope(x, rope):
     every q . k, all that attention reads of them, is the same.
     """
     half = x.size(-1) // 2
-    if torch.compiler.is_compiling():  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+    if (
+        torch.compiler.is_compiling()
+    ):  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
         x = x.float()
         x1, x2, cos, sin = x[..., :half], x[..., half:], rope[..., 0], rope[..., 1]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     # each pair side by side as one complex number: one copy, which (unlike torch.complex) keeps nothing for backward
-    pairs = x.unflatten(-1, (2, half)).transpose(-1, -2).float().clone(memory_format=torch.contiguous_format)
-    return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rope)).flatten(-2)
+    pairs = (
+        x.unflatten(-1, (2, half))
+        .transpose(-1, -2)
+        .float()
+        .clone(memory_format=torch.contiguous_format)
+    )
+    return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rope)).flatten(
+        -2
+    )
 
 
 class Attention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         # q, k and v of all heads from one matmul, in this row order (hf_layout splits them back)
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.attention_bias)
-        self.qkv_proj.parts = {"q_proj": self.n_head * self.head_dim, "k_proj": self.n_kv_head * self.head_dim,
-                               "v_proj": self.n_kv_head * self.head_dim}
+        self.qkv_proj = nn.Linear(
+            config.hidden_size,
+            (self.n_head + 2 * self.n_kv_head) * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.qkv_proj.parts = {
+            "q_proj": self.n_head * self.head_dim,
+            "k_proj": self.n_kv_head * self.head_dim,
+            "v_proj": self.n_kv_head * self.head_dim,
+        }
         self.o_proj = nn.Linear(self.n_head * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -129,18 +162,32 @@ class Attention(nn.Module):
         # joins the pieces' gradients once
         qk, v = qkv.split([H + self.n_kv_head, self.n_kv_head], dim=2)
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
-        if hasattr(self, "q_norm"):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
-            weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1)))
+        if hasattr(
+            self, "q_norm"
+        ):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
+            weight = torch.cat(
+                (self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1))
+            )
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
         # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's dtype, so the KV
         # cache holds bf16 keys instead of fp32 ones
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk.split([H, self.n_kv_head], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
-        if layout is None:  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
+        if (
+            layout is None
+        ):  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
             # k and v are views into the fused projections: saved as they are for the backward pass, they would keep
             # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
-            y = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        elif attn_mask is None:  # the layout knows where the keys are (a decode pass, SharedPrefix): it attends
+            y = F.scaled_dot_product_attention(
+                q,
+                k.contiguous(),
+                v.contiguous(),
+                is_causal=True,
+                enable_gqa=self.n_kv_head != self.n_head,
+            )
+        elif (
+            attn_mask is None
+        ):  # the layout knows where the keys are (a decode pass, SharedPrefix): it attends
             y = layout.attend(self.layer_idx, q, k, v)
         else:  # the sampler's prefill: its keys and values kept by the cache, a boolean padding mask (B, 1, T, T)
             k, v = layout.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
@@ -148,9 +195,13 @@ class Attention(nn.Module):
             # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
             g = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, g * T, self.head_dim)
-            mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask  # row j*T + t is query t of head j
+            mask = (
+                attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask
+            )  # row j*T + t is query t of head j
             # reshape, not view: CUDA's memory-efficient kernel (the one that takes a mask) returns a transposed layout
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, self.n_head, T, self.head_dim)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(
+                B, self.n_head, T, self.head_dim
+            )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -171,7 +222,7 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        gate_up, = ctx.saved_tensors
+        (gate_up,) = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         grad_gate_up = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
@@ -186,7 +237,10 @@ class MLP(nn.Module):
         super().__init__()
         # gate and up from one matmul (hf_layout splits them back)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.gate_up_proj.parts = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        self.gate_up_proj.parts = {
+            "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size,
+        }
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
@@ -210,16 +264,20 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
-            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
-        ))
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+                layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.checkpoint_layers = False  # activation checkpointing (--activation-checkpointing): see hidden_states
+        self.checkpoint_layers = (
+            False  # activation checkpointing (--activation-checkpointing): see hidden_states
+        )
 
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
@@ -233,7 +291,11 @@ class GPT(nn.Module):
                     p.zero_()
                 else:
                     # residual-branch outputs get the GPT-2 1/sqrt(2 * n_layer) shrink
-                    std = 0.02 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                    std = (
+                        0.02 / math.sqrt(2 * self.config.num_hidden_layers)
+                        if name.endswith(("o_proj.weight", "down_proj.weight"))
+                        else 0.02
+                    )
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
@@ -246,22 +308,43 @@ class GPT(nn.Module):
         """
         layout = []
         for module_name, module in self.named_modules():
-            if module_name.endswith((".lora_A", ".lora_B")):  # LoRA's adapters (policy/lora.py): no checkpoint tensor
+            if module_name.endswith(
+                (".lora_A", ".lora_B")
+            ):  # LoRA's adapters (policy/lora.py): no checkpoint tensor
                 continue
             own = [name for name, _ in module.named_parameters(prefix=module_name, recurse=False)]
             if not hasattr(module, "parts"):
-                layout += [(name, name, None) for name in own if not (name == "lm_head.weight" and self.config.tie_word_embeddings)]
+                layout += [
+                    (name, name, None)
+                    for name in own
+                    if not (name == "lm_head.weight" and self.config.tie_word_embeddings)
+                ]
                 continue
             start, parent = 0, module_name.rpartition(".")[0]
-            for part, width in module.parts.items():  # each part's weight, then its bias, as unfused Linears list them
-                layout += [(f"{parent}.{part}.{name.rpartition('.')[2]}", name, slice(start, start + width)) for name in own]
+            for (
+                part,
+                width,
+            ) in (
+                module.parts.items()
+            ):  # each part's weight, then its bias, as unfused Linears list them
+                layout += [
+                    (
+                        f"{parent}.{part}.{name.rpartition('.')[2]}",
+                        name,
+                        slice(start, start + width),
+                    )
+                    for name in own
+                ]
                 start += width
         return layout
 
     def hf_state_dict(self, keep_vars=False):
         """The weights under the checkpoints' names and shapes (hf_layout): views of the model's tensors, no copies."""
         state = self.state_dict(keep_vars=keep_vars)
-        return {name: state[own] if rows is None else state[own][rows] for name, own, rows in self.hf_layout()}
+        return {
+            name: state[own] if rows is None else state[own][rows]
+            for name, own, rows in self.hf_layout()
+        }
 
     def rope(self, positions):
         """RoPE's rotation of each pair (apply_rope) for integer positions (B, T): cos and sin of position * inv_freq,
@@ -269,7 +352,15 @@ class GPT(nn.Module):
         angles = positions.float()[:, None, :, None] * self.inv_freq.float()
         return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_per_chunk=2**24, temperature=1.0):
+    def forward(
+        self,
+        idx,
+        targets=None,
+        kv_cache=None,
+        loss_reduction="mean",
+        logits_per_chunk=2**24,
+        temperature=1.0,
+    ):
         """
         idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1, and the logits of every
         position come back (B, T, V). With a cache (fast/kv_cache.KVCache, the sampler's), rows may be left-padded
@@ -314,7 +405,9 @@ class GPT(nn.Module):
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if layout is None:
-            rope = self.rope(torch.arange(T, device=idx.device)[None])  # (1, 1, T, D/2, 2): the same for every row
+            rope = self.rope(
+                torch.arange(T, device=idx.device)[None]
+            )  # (1, 1, T, D/2, 2): the same for every row
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
             rope, attn_mask = layout.rope_and_mask(T)
@@ -322,7 +415,9 @@ class GPT(nn.Module):
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
                 # one layer's activations alive at a time instead of all of them, for a second forward's cost
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, attn_mask, layout, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, rope, attn_mask, layout, use_reentrant=False
+                )
             else:
                 x = block(x, rope, attn_mask, layout)
         if layout is not None:
@@ -351,7 +446,9 @@ class GPT(nn.Module):
             keep_fp32 = {*keep_fp32, "model.embed_tokens.weight"}
         read_weights(model, path, device, dtype, keep_fp32)
         if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight  # the tie broke when embed_tokens was replaced
+            model.lm_head.weight = (
+                model.model.embed_tokens.weight
+            )  # the tie broke when embed_tokens was replaced
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
@@ -362,7 +459,9 @@ class GPT(nn.Module):
         """
         # the checkpoints' names and shapes, the fused Linears split into their parts; the tied head is left out
         # (safetensors refuses one tensor under two names; the config says "tied")
-        write_weights(path, {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()})
+        write_weights(
+            path, {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
+        )
         write_config(path, self.config, self.model.embed_tokens.weight.dtype)
 
 

@@ -18,9 +18,19 @@ from safetensors.torch import save_file
 # what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
 # tokenizer, chat template, stop tokens (and the marker of a chat_rl byte-tokenizer folder); not *.bin,
 # *.gguf or other copies of the weights
-HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "chat_rl_tokenizer.json", "adapter_config.json", "adapter_model.safetensors"]  # a PEFT adapter's too
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_rl_tokenizer.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+]  # a PEFT adapter's too
 
 
 def resolve_folder(name_or_dir):
@@ -28,17 +38,28 @@ def resolve_folder(name_or_dir):
     if os.path.isdir(name_or_dir):
         return name_or_dir
     if name_or_dir.count("/") != 1 or name_or_dir.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
-    from huggingface_hub import snapshot_download  # imported here: the offline demo never needs the hub
+        raise FileNotFoundError(
+            f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
+    from huggingface_hub import (
+        snapshot_download,
+    )  # imported here: the offline demo never needs the hub
+
     try:
         return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
-        raise FileNotFoundError(f"no folder {name_or_dir!r} here, and no hub model of that name could be fetched "
-                                f"({type(e).__name__}: {first_line[:160]})") from None
+        raise FileNotFoundError(
+            f"no folder {name_or_dir!r} here, and no hub model of that name could be fetched "
+            f"({type(e).__name__}: {first_line[:160]})"
+        ) from None
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def write_config(path, config, dtype):
@@ -67,20 +88,26 @@ def read_weights(model, path, device, dtype, keep_fp32=()):
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
                     continue  # recomputed / the same tensor as embed_tokens.weight
                 if name not in layout:
-                    raise ValueError(f"{file} holds {name!r}, which this architecture does not have")
+                    raise ValueError(
+                        f"{file} holds {name!r}, which this architecture does not have"
+                    )
                 own, rows = layout[name]
                 param = model.get_parameter(own)
                 expected = param.shape if rows is None else param[rows].shape
                 kind = torch.float32 if name in keep_fp32 else dtype
                 tensor = f.get_tensor(name).to(device=device, dtype=kind)
                 if tensor.shape != expected:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}"
+                    )
                 module_name, _, attr = own.rpartition(".")
                 if rows is None:
                     setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
                 else:  # a part of a fused Linear (the others may come from another shard): its rows, in place
                     if param.is_meta:
-                        param = nn.Parameter(torch.empty(param.shape, device=device, dtype=tensor.dtype))
+                        param = nn.Parameter(
+                            torch.empty(param.shape, device=device, dtype=tensor.dtype)
+                        )
                         setattr(model.get_submodule(module_name), attr, param)
                     with torch.no_grad():
                         param[rows] = tensor
@@ -105,10 +132,15 @@ def safetensors_files(path):
     """The weight files of a folder: the shards its index names, else model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        return [os.path.join(path, name) for name in sorted(set(read_json(index)["weight_map"].values()))]
+        return [
+            os.path.join(path, name)
+            for name in sorted(set(read_json(index)["weight_map"].values()))
+        ]
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)")
+        raise FileNotFoundError(
+            f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)"
+        )
     return [single]
 
 
@@ -130,18 +162,36 @@ def config_fields(hf):
     """gpt.GPTConfig's fields from a Hugging Face config.json dict; anything gpt.py cannot compute fails with one line."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {kind!r} (supported model_type: {', '.join(ARCHITECTURES)} "
-                         "= Llama/SmolLM, Qwen2/Qwen2.5, Qwen3)")
+        raise ValueError(
+            f"unsupported architecture {kind!r} (supported model_type: {', '.join(ARCHITECTURES)} "
+            "= Llama/SmolLM, Qwen2/Qwen2.5, Qwen3)"
+        )
     # switches this class does not have: refuse instead of computing something else
-    refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "mlp_bias": bool(hf.get("mlp_bias")),
-               "use_sliding_window": bool(hf.get("use_sliding_window")),
-               "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0) != 1.0,
-               "attention_bias (bias on o_proj too)": kind != "qwen2" and bool(hf.get("attention_bias"))}
+    refused = {
+        "hidden_act": hf.get("hidden_act", "silu") != "silu",
+        "mlp_bias": bool(hf.get("mlp_bias")),
+        "use_sliding_window": bool(hf.get("use_sliding_window")),
+        "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0) != 1.0,
+        "attention_bias (bias on o_proj too)": kind != "qwen2" and bool(hf.get("attention_bias")),
+    }
     for what, bad in refused.items():
         if bad:
-            raise ValueError(f"{kind} checkpoint with {what} = {hf.get(what.split()[0])!r} is not supported")
-    fields = {f: hf[f] for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "rms_norm_eps", "max_position_embeddings") if f in hf}
+            raise ValueError(
+                f"{kind} checkpoint with {what} = {hf.get(what.split()[0])!r} is not supported"
+            )
+    fields = {
+        f: hf[f]
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "rms_norm_eps",
+            "max_position_embeddings",
+        )
+        if f in hf
+    }
     fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     fields["head_dim"] = hf.get("head_dim") or 0
     # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into rope_parameters
@@ -152,8 +202,12 @@ def config_fields(hf):
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
     fields["rope_scaling"] = dict(scaling, rope_type="llama3") if rope_type == "llama3" else None
-    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)  # the default of all three config classes
-    fields["attention_bias"] = kind == "qwen2"  # Qwen2 always has q/k/v bias; its config does not say so
+    fields["tie_word_embeddings"] = hf.get(
+        "tie_word_embeddings", False
+    )  # the default of all three config classes
+    fields["attention_bias"] = (
+        kind == "qwen2"
+    )  # Qwen2 always has q/k/v bias; its config does not say so
     fields["qk_norm"] = kind == "qwen3"
     return fields
 
@@ -161,10 +215,29 @@ def config_fields(hf):
 def config_to_hf(config):
     """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by transformers 4 and 5 and vLLM."""
     kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
-    hf = {f: getattr(config, f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                          "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")}
-    hf.update(model_type=kind, architectures=[ARCHITECTURES[kind]], hidden_act="silu", torch_dtype="float32")
+    hf = {
+        f: getattr(config, f)
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+        )
+    }
+    hf.update(
+        model_type=kind,
+        architectures=[ARCHITECTURES[kind]],
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
     if kind != "qwen2":
         hf["attention_bias"] = False
     if kind != "llama":

@@ -36,8 +36,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear layer
-WHOLE = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}  # frozen unless named: then trained whole
+TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)  # every linear layer
+WHOLE = {
+    "embed_tokens": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+}  # frozen unless named: then trained whole
 
 
 class Adapter(nn.Module):
@@ -53,15 +64,25 @@ class Adapter(nn.Module):
         self.widths, self.scale = dict(parts), alpha / rank
         self.off = False  # adapters_off(): the Linear's output is the base's alone
         adapted = [name for name in parts if name in targets]
-        self.lora_A = nn.ParameterDict({name: nn.Parameter(torch.empty(rank, in_features)) for name in adapted})
-        self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.zeros(parts[name], rank)) for name in adapted})
+        self.lora_A = nn.ParameterDict(
+            {name: nn.Parameter(torch.empty(rank, in_features)) for name in adapted}
+        )
+        self.lora_B = nn.ParameterDict(
+            {name: nn.Parameter(torch.zeros(parts[name], rank)) for name in adapted}
+        )
         for a in self.lora_A.values():  # PEFT's initialisation: A as nn.Linear's weight, B zero
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
     def forward(self, x):
-        a = torch.cat([self.lora_A[name] for name in self.widths if name in self.lora_A])  # (targets x r, in), in row order
-        b = torch.block_diag(*(self.lora_B[name] if name in self.lora_B else a.new_zeros(width, 0)
-                               for name, width in self.widths.items()))  # (out, targets x r)
+        a = torch.cat(
+            [self.lora_A[name] for name in self.widths if name in self.lora_A]
+        )  # (targets x r, in), in row order
+        b = torch.block_diag(
+            *(
+                self.lora_B[name] if name in self.lora_B else a.new_zeros(width, 0)
+                for name, width in self.widths.items()
+            )
+        )  # (out, targets x r)
         return F.linear(F.linear(x, a), b) * self.scale
 
 
@@ -72,8 +93,10 @@ def parse_targets(text):
     targets = [name for t in targets for name in (TARGETS if t == "all-linear" else [t])]
     unknown = [t for t in targets if t not in TARGETS and t not in WHOLE]
     if unknown or not set(targets) & set(TARGETS):
-        raise ValueError(f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'no projection'} "
-                         f"(all-linear, or names from {', '.join(TARGETS)}; and embed_tokens, lm_head to train whole)")
+        raise ValueError(
+            f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'no projection'} "
+            f"(all-linear, or names from {', '.join(TARGETS)}; and embed_tokens, lm_head to train whole)"
+        )
     return targets
 
 
@@ -81,7 +104,11 @@ def adapted_linears(model):
     """(name, Linear, {projection: rows}) of every Linear of the decoder layers, fused or not."""
     for name, module in model.model.layers.named_modules(prefix="model.layers"):
         if isinstance(module, nn.Linear):
-            yield name, module, getattr(module, "parts", {name.rpartition(".")[2]: module.out_features})
+            yield (
+                name,
+                module,
+                getattr(module, "parts", {name.rpartition(".")[2]: module.out_features}),
+            )
 
 
 def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
@@ -97,7 +124,9 @@ def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
     for _, linear, parts in adapted_linears(model):
         if set(parts) & set(targets):
             device = linear.weight.device
-            linear.lora = Adapter(linear.in_features, parts, targets, rank, alpha, generator).to(device)
+            linear.lora = Adapter(linear.in_features, parts, targets, rank, alpha, generator).to(
+                device
+            )
             linear.lora_hook = linear.register_forward_hook(_add_lora_term)
     model.lora_config = dict(rank=rank, alpha=alpha, targets=list(targets))
     return model
@@ -130,13 +159,18 @@ def has_adapters(model):
 def adapter_state_dict(model):
     """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in), lora_B.weight (out, r);
     and the modules trained whole, base_model.model.lm_head.weight (both names of a tied matrix, as PEFT keeps both)."""
-    state = {f"base_model.model.{WHOLE[name]}": model.get_parameter(WHOLE[name]) for name in whole_modules(model)}
+    state = {
+        f"base_model.model.{WHOLE[name]}": model.get_parameter(WHOLE[name])
+        for name in whole_modules(model)
+    }
     for name, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):
             parent = name.rpartition(".")[0]
             for part in linear.lora.lora_A:
                 for kind in ("lora_A", "lora_B"):
-                    state[f"base_model.model.{parent}.{part}.{kind}.weight"] = getattr(linear.lora, kind)[part]
+                    state[f"base_model.model.{parent}.{part}.{kind}.weight"] = getattr(
+                        linear.lora, kind
+                    )[part]
     return state
 
 
@@ -148,8 +182,10 @@ def merged_state_dict(model):
     never an fp32 copy of the model (30 GB for 7B)."""
     # copied to the CPU as they are, then fp32 there (a copy: the model's own CPU tensors must not
     # take the update)
-    state = {name: tensor.detach().to("cpu", copy=True).float()
-             for name, tensor in model.hf_state_dict().items()}
+    state = {
+        name: tensor.detach().to("cpu", copy=True).float()
+        for name, tensor in model.hf_state_dict().items()
+    }
     for name, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):
             parent = name.rpartition(".")[0]
@@ -163,14 +199,34 @@ def save_adapter(model, path, base_model):
     """A PEFT folder: adapter_config.json and adapter_model.safetensors (fp32), for PeftModel.from_pretrained(base)."""
     cfg = model.lora_config
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.detach().float().cpu().clone() for k, v in adapter_state_dict(model).items()},  # a tied pair: two copies
-              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {
+            k: v.detach().float().cpu().clone() for k, v in adapter_state_dict(model).items()
+        },  # a tied pair: two copies
+        os.path.join(path, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-                   "r": cfg["rank"], "lora_alpha": cfg["alpha"], "target_modules": sorted(set(cfg["targets"]) & set(TARGETS)),
-                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-                   "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-                   "modules_to_save": whole_modules(model) or None}, f, indent=2)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": base_model,
+                "r": cfg["rank"],
+                "lora_alpha": cfg["alpha"],
+                "target_modules": sorted(set(cfg["targets"]) & set(TARGETS)),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "use_rslora": False,
+                "use_dora": False,
+                "init_lora_weights": True,
+                "inference_mode": True,
+                "modules_to_save": whole_modules(model) or None,
+            },
+            f,
+            indent=2,
+        )
 
 
 def whole_modules(model):
@@ -186,10 +242,19 @@ def read_adapter_config(path):
     with open(os.path.join(path, "adapter_config.json")) as f:
         cfg = json.load(f)
     whole = cfg.get("modules_to_save") or []
-    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or set(whole) - set(WHOLE) or cfg.get("bias", "none") != "none":
-        raise ValueError(f"{path}: only LoRA adapters load here (no DoRA, no bias, modules_to_save only embed_tokens, lm_head)")
+    if (
+        cfg.get("peft_type") != "LORA"
+        or cfg.get("use_dora")
+        or set(whole) - set(WHOLE)
+        or cfg.get("bias", "none") != "none"
+    ):
+        raise ValueError(
+            f"{path}: only LoRA adapters load here (no DoRA, no bias, modules_to_save only embed_tokens, lm_head)"
+        )
     targets = cfg["target_modules"]
-    targets = [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)  # "all-linear"
+    targets = (
+        [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)
+    )  # "all-linear"
     base = cfg["base_model_name_or_path"]
     if base.startswith("."):  # relative to this folder: the two were moved together, or not at all
         base = os.path.normpath(os.path.join(path, base))
@@ -199,11 +264,16 @@ def read_adapter_config(path):
 def load_adapter(model, path):
     """The adapter weights of a PEFT folder into the model's adapters (made by add_adapters with its settings)."""
     saved = load_file(os.path.join(path, "adapter_model.safetensors"))
-    saved = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v for k, v in saved.items()}
+    saved = {
+        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+        for k, v in saved.items()
+    }
     ours = adapter_state_dict(model)
     if set(saved) != set(ours):
         missing = sorted(set(ours) ^ set(saved))[0]
-        raise ValueError(f"{path}: its adapter does not fit this model ({missing} is only on one side)")
+        raise ValueError(
+            f"{path}: its adapter does not fit this model ({missing} is only on one side)"
+        )
     with torch.no_grad():
         for name, p in ours.items():
             p.copy_(saved[name])

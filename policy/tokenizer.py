@@ -24,12 +24,20 @@ import re
 from datetime import datetime
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment  # templates from the hub are untrusted code
+from jinja2.sandbox import (
+    ImmutableSandboxedEnvironment,
+)  # templates from the hub are untrusted code
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from policy.hf_folder import resolve_folder
 
-SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
+SPECIAL_TOKENS = [
+    "<|bos|>",
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+]
 
 
 class ByteTokenizer:
@@ -70,7 +78,9 @@ class ByteTokenizer:
         turns = _merged_turns(conversation)
         if turns and turns[-1][0] == "assistant":
             turns = turns[:-1]  # a conversation that carries its reference answer: drop it
-        ids, _ = self.render_conversation({"messages": [{"role": r, "content": c} for r, c in turns]})
+        ids, _ = self.render_conversation(
+            {"messages": [{"role": r, "content": c} for r, c in turns]}
+        )
         return ids + [self.special["<|assistant_start|>"]]
 
     def save_pretrained(self, path):
@@ -86,16 +96,25 @@ class ByteTokenizer:
         os.makedirs(path, exist_ok=True)
         _write_json(os.path.join(path, "chat_rl_tokenizer.json"), {"type": "byte"})
         byte_level_tokenizer().save(os.path.join(path, "tokenizer.json"))
-        _write_json(os.path.join(path, "tokenizer_config.json"), {
-            "tokenizer_class": "PreTrainedTokenizerFast",  # a plain tokenizer.json, no Python tokenizer class
-            "bos_token": "<|bos|>", "eos_token": "<|assistant_end|>",
-            "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids, which generate() refuses
-            "clean_up_tokenization_spaces": False,  # decode must not drop the space in "x ." (the bytes are the text)
-        })
+        _write_json(
+            os.path.join(path, "tokenizer_config.json"),
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",  # a plain tokenizer.json, no Python tokenizer class
+                "bos_token": "<|bos|>",
+                "eos_token": "<|assistant_end|>",
+                "model_input_names": [
+                    "input_ids",
+                    "attention_mask",
+                ],  # no token_type_ids, which generate() refuses
+                "clean_up_tokenization_spaces": False,  # decode must not drop the space in "x ." (the bytes are the text)
+            },
+        )
         with open(os.path.join(path, "chat_template.jinja"), "w") as f:
             f.write(CHAT_TEMPLATE)
-        _write_json(os.path.join(path, "generation_config.json"),
-                    {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_tokens)})
+        _write_json(
+            os.path.join(path, "generation_config.json"),
+            {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_tokens)},
+        )
 
 
 # ByteTokenizer's conversation format as a Jinja chat template (the ecosystem's form of it), rendered to
@@ -134,15 +153,23 @@ def byte_level_tokenizer():
     and decodes them as UTF-8, invalid sequences becoming U+FFFD as in ByteTokenizer.decode.
     """
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in BYTE_CHARS.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # no word splits: none needed
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=False
+    )  # no word splits: none needed
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS])  # ids 256..260
+    tok.add_special_tokens(
+        [AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS]
+    )  # ids 256..260
     return tok
 
 
 def _byte_chars():
     """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other 68 for chr(256 + n)."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    printable = [
+        *range(0x21, 0x7F),
+        *range(0xA1, 0xAD),
+        *range(0xAE, 0x100),
+    ]  # "!".."~", "¡".."¬", "®".."ÿ"
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
@@ -154,8 +181,12 @@ def _merged_turns(conversation):
     """(role, content) pairs; a leading system message is folded into the first user turn."""
     messages = conversation["messages"]
     if messages and messages[0]["role"] == "system":
-        assert len(messages) > 1 and messages[1]["role"] == "user", "a system message must precede a user message"
-        messages = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}] + messages[2:]
+        assert len(messages) > 1 and messages[1]["role"] == "user", (
+            "a system message must precede a user message"
+        )
+        messages = [
+            {"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
+        ] + messages[2:]
     turns = []
     for i, m in enumerate(messages):
         expected = "user" if i % 2 == 0 else "assistant"
@@ -167,8 +198,13 @@ def _merged_turns(conversation):
 # ---------------------------------------------------------------------------------------------
 # Real checkpoints: tokenizer.json + the chat template of tokenizer_config.json / chat_template.jinja
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+]
 
 
 class HFTokenizer:
@@ -196,16 +232,25 @@ class HFTokenizer:
                 self.special_strings[key] = value
         self.template = _compile_chat_template(_read_chat_template(folder, config))
         # the texts of control tokens (<|im_end|>, <|eot_id|>): in a message's content they are text, not control
-        self.special_texts = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        self.special_texts = [
+            t.content for t in self.tok.get_added_tokens_decoder().values() if t.special
+        ]
         # ids may have gaps (added tokens); the engine masks logits at ids >= vocab_size (embedding padding)
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
-        self.bos_id = self.tok.token_to_id(self.special_strings["bos_token"]) if "bos_token" in self.special_strings else None
+        self.bos_id = (
+            self.tok.token_to_id(self.special_strings["bos_token"])
+            if "bos_token" in self.special_strings
+            else None
+        )
         # stop on every id any of the three places calls end-of-sequence (Qwen2.5-Instruct: <|im_end|>, <|endoftext|>)
         self.stop_tokens = set()
         for file in ("generation_config.json", "config.json"):
             eos = _read_json_if_any(folder, file).get("eos_token_id")
             self.stop_tokens.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if "eos_token" in self.special_strings and self.tok.token_to_id(self.special_strings["eos_token"]) is not None:
+        if (
+            "eos_token" in self.special_strings
+            and self.tok.token_to_id(self.special_strings["eos_token"]) is not None
+        ):
             self.stop_tokens.add(self.tok.token_to_id(self.special_strings["eos_token"]))
 
     def encode(self, text):
@@ -219,8 +264,12 @@ class HFTokenizer:
     def render_text(self, messages, add_generation_prompt):
         """The chat template applied to a list of messages, as a string."""
         if self.template is None:
-            raise ValueError(f"{self.folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_strings)
+            raise ValueError(
+                f"{self.folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)"
+            )
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_strings
+        )
 
     def encode_messages(self, messages, add_generation_prompt):
         """
@@ -233,17 +282,27 @@ class HFTokenizer:
         text = self.render_text(messages, add_generation_prompt)
         if not any(s in str(m["content"]) for m in messages for s in self.special_texts):
             return self.encode(text)
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
-        shell = self.render_text([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
-        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", shell)  # template, mark, template, ...
+        marks = [
+            f"\ue000{i}\ue001" for i in range(len(messages))
+        ]  # private-use characters: in no real text
+        shell = self.render_text(
+            [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt
+        )
+        pieces = re.split(
+            "(" + "|".join(map(re.escape, marks)) + ")", shell
+        )  # template, mark, template, ...
         content = {mark: str(m["content"]) for mark, m in zip(marks, messages)}
         if "".join(content.get(p, p) for p in pieces) != text:
-            raise ValueError("this chat template rewrites a message's content, and the content holds a control token's "
-                             "text that cannot then be kept apart as text")
+            raise ValueError(
+                "this chat template rewrites a message's content, and the content holds a control token's "
+                "text that cannot then be kept apart as text"
+            )
         ids = []
         try:
             for piece in pieces:
-                self.tok.encode_special_tokens = piece in content  # control-token texts inside a content: plain text
+                self.tok.encode_special_tokens = (
+                    piece in content
+                )  # control-token texts inside a content: plain text
                 ids += self.tok.encode(content.get(piece, piece), add_special_tokens=False).ids
         finally:
             self.tok.encode_special_tokens = False
@@ -275,8 +334,12 @@ class HFTokenizer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = _common_prefix(self.encode_messages(messages[:i], add_generation_prompt=True), ids)
-            end = _common_prefix(self.encode_messages(messages[:i + 1], add_generation_prompt=False), ids)
+            start = _common_prefix(
+                self.encode_messages(messages[:i], add_generation_prompt=True), ids
+            )
+            end = _common_prefix(
+                self.encode_messages(messages[: i + 1], add_generation_prompt=False), ids
+            )
             for j in range(start, end if end > start else len(ids)):
                 mask[j] = 1
                 if ids[j] in self.stop_tokens:
@@ -289,7 +352,9 @@ class HFTokenizer:
         for name, data in self.files.items():
             with open(os.path.join(path, name), "wb") as f:
                 f.write(data)
-        generation = _read_json_if_any(path, "generation_config.json")  # keeps the model's sampling defaults
+        generation = _read_json_if_any(
+            path, "generation_config.json"
+        )  # keeps the model's sampling defaults
         generation["eos_token_id"] = sorted(self.stop_tokens)
         if self.bos_id is not None:
             generation.setdefault("bos_token_id", self.bos_id)
@@ -304,7 +369,9 @@ def load_tokenizer(name_or_dir):
         return ByteTokenizer()
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
         return HFTokenizer(folder)
-    raise ValueError(f"{folder} has neither tokenizer.json (a fast tokenizer) nor chat_rl_tokenizer.json (the byte tokenizer)")
+    raise ValueError(
+        f"{folder} has neither tokenizer.json (a fast tokenizer) nor chat_rl_tokenizer.json (the byte tokenizer)"
+    )
 
 
 def _read_chat_template(folder, config):
@@ -328,12 +395,20 @@ def _compile_chat_template(source):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson  # jinja's own escapes <, >, & as HTML, templates expect plain JSON
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = (
+        tojson  # jinja's own escapes <, >, & as HTML, templates expect plain JSON
+    )
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.x templates date the system turn
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(
+        fmt
+    )  # Llama 3.x templates date the system turn
     return env.from_string(source)
 
 

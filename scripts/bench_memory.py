@@ -40,17 +40,56 @@ from fast import logprobs
 from policy import lora
 from policy.gpt import GPT, GPTConfig
 
-TWELVE_LAYERS = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                     num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
+TWELVE_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
 QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 7B}-Instruct's config.json
-    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
-    "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
-    "3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-               num_attention_heads=16, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
-    "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=False),
+    "0.5B": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "1.5B": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "3B": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "7B": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -91,7 +130,9 @@ def peak_worker(checkpointing, rows, tokens):
     model = GPT(GPTConfig(**TWELVE_LAYERS)).init_weights(0)
     model.checkpoint_layers = checkpointing
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # allocated before the measurement: the pass's own memory is what is left
+        p.grad = torch.zeros_like(
+            p
+        )  # allocated before the measurement: the pass's own memory is what is left
     idx = torch.randint(0, 32768, (rows, tokens))
     targets = torch.randint(0, 32768, (rows, tokens))
     with open("/proc/self/clear_refs", "w") as f:
@@ -100,8 +141,17 @@ def peak_worker(checkpointing, rows, tokens):
     with SavedBytes(model) as saved:
         loss = model(idx, targets, loss_reduction="none").sum() / targets.numel()
     loss.backward()
-    print(json.dumps({"checkpointing": checkpointing, "resident_before_mib": before / 1024, "seconds": time.time() - t0,
-                      "pass_peak_mib": (resident_kb("VmHWM") - before) / 1024, "saved_mib": saved.total / 2**20}))
+    print(
+        json.dumps(
+            {
+                "checkpointing": checkpointing,
+                "resident_before_mib": before / 1024,
+                "seconds": time.time() - t0,
+                "pass_peak_mib": (resident_kb("VmHWM") - before) / 1024,
+                "saved_mib": saved.total / 2**20,
+            }
+        )
+    )
 
 
 def logprob_peak_worker(kind, tokens, hidden, vocab):
@@ -114,57 +164,105 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
     before = resident_kb("VmRSS")
     if kind == "chunked":  # what RL's loss does (fast_logprobs' head)
         loss_grad = torch.full((tokens,), -1.0 / tokens)
-        loss = (loss_grad * logprobs.SampledLogprobs.apply(h, weight, targets, loss_grad, max(1, 2 ** 24 // vocab), 1.0)).sum()
+        loss = (
+            loss_grad
+            * logprobs.SampledLogprobs.apply(
+                h, weight, targets, loss_grad, max(1, 2**24 // vocab), 1.0
+            )
+        ).sum()
     else:  # the previous way: all (tokens, vocab) logits at once
-        loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight).float(), targets)
+        loss = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(h, weight).float(), targets
+        )
     loss.backward()
     print((resident_kb("VmHWM") - before) * 1024)
 
 
 def logprob_peak(kind, tokens, hidden, vocab):
     """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (logprobs.SampledLogprobs) or "unchunked"."""
-    out = subprocess.run([sys.executable, "-m", "scripts.bench_memory", f"--logprob-worker={kind},{tokens},{hidden},{vocab}"],
-                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_memory",
+            f"--logprob-worker={kind},{tokens},{hidden},{vocab}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     return int(out.stdout.split()[-1])
 
 
 def peak(rows, tokens):
-    print(f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, fp32, CPU), one "
-          f"forward+backward of {rows} rows x {tokens} tokens, every token a target, torch {torch.__version__}")
-    print(f"{'activation checkpointing':<26} {'resident before MiB':>20} {'pass peak above it MiB':>23} "
-          f"{'saved for backward MiB':>23} {'pass s':>7}")
+    print(
+        f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, fp32, CPU), one "
+        f"forward+backward of {rows} rows x {tokens} tokens, every token a target, torch {torch.__version__}"
+    )
+    print(
+        f"{'activation checkpointing':<26} {'resident before MiB':>20} {'pass peak above it MiB':>23} "
+        f"{'saved for backward MiB':>23} {'pass s':>7}"
+    )
     for checkpointing in (False, True):
-        out = subprocess.run([sys.executable, "-m", "scripts.bench_memory", "--worker", str(int(checkpointing)),
-                              f"--rows={rows}", f"--tokens={tokens}"], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "scripts.bench_memory",
+                "--worker",
+                str(int(checkpointing)),
+                f"--rows={rows}",
+                f"--tokens={tokens}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} {r['pass_peak_mib']:>23.0f} "
-              f"{r['saved_mib']:>23.0f} {r['seconds']:>7.1f}")
+        print(
+            f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} {r['pass_peak_mib']:>23.0f} "
+            f"{r['saved_mib']:>23.0f} {r['seconds']:>7.1f}"
+        )
 
 
 def saved_per_token(shape, lora_rank=0, tokens=256):
     """Bytes autograd keeps per token for one decoder layer of the shape, plain and checkpointed, and for the head,
     bf16 (as on CUDA): with lora_rank, the layer frozen and LoRA adapters on all its projections (policy/lora.py)."""
-    model = GPT(GPTConfig(**{**shape, "num_hidden_layers": 1}))  # one layer of the shape: the rest repeats it
+    model = GPT(
+        GPTConfig(**{**shape, "num_hidden_layers": 1})
+    )  # one layer of the shape: the rest repeats it
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     if lora_rank:
         lora.add_adapters(model, lora_rank, 32.0)
         for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)  # under autocast on CUDA the adapters compute in bf16 too
+            p.data = p.data.to(
+                torch.bfloat16
+            )  # under autocast on CUDA the adapters compute in bf16 too
     else:
         model = model.to(torch.bfloat16)
     idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
-    x = model.model.embed_tokens(idx).detach().requires_grad_(not lora_rank)  # the layer's input (B, T, C), bf16
+    x = (
+        model.model.embed_tokens(idx).detach().requires_grad_(not lora_rank)
+    )  # the layer's input (B, T, C), bf16
     rope = model.rope(torch.arange(tokens)[None])
     layer = {}
     for checkpointing in (False, True):
         with SavedBytes(model) as saved:
             h = x
             for block in model.model.layers:  # gpt.GPT.forward's loop, over one layer
-                h = (torch.utils.checkpoint.checkpoint(block, h, rope, None, None, use_reentrant=False)
-                     if checkpointing else block(h, rope, None, None))
+                h = (
+                    torch.utils.checkpoint.checkpoint(
+                        block, h, rope, None, None, use_reentrant=False
+                    )
+                    if checkpointing
+                    else block(h, rope, None, None)
+                )
         layer[checkpointing] = saved.total / tokens
-    with SavedBytes(model) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
+    with SavedBytes(
+        model
+    ) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
         hidden = model.model.norm(h.detach().requires_grad_())
         torch.nn.functional.cross_entropy(model.lm_head(hidden[0]).float(), targets[0])
     return layer[False], layer[True], saved.total / tokens
@@ -173,10 +271,14 @@ def saved_per_token(shape, lora_rank=0, tokens=256):
 def table(lora_rank=16, tokens=16384):
     """Per-GPU training memory (GB) of full fine-tuning and of LoRA at lora_rank, one GPU (or every rank of a DDP run),
     a micro-batch of `tokens` tokens, every one a target: state + activations, each measured or counted."""
-    print(f"per-GPU training memory, GB: micro-batch of {tokens} tokens (--device-batch-tokens), every token a target; "
-          f"LoRA rank {lora_rank} on every projection; torch {torch.__version__}")
-    print("| Qwen2.5 | params | LoRA params | state: full / LoRA | activations: full / LoRA | full: plain / checkpointed "
-          "| LoRA: plain / checkpointed |")
+    print(
+        f"per-GPU training memory, GB: micro-batch of {tokens} tokens (--device-batch-tokens), every token a target; "
+        f"LoRA rank {lora_rank} on every projection; torch {torch.__version__}"
+    )
+    print(
+        "| Qwen2.5 | params | LoRA params | state: full / LoRA | activations: full / LoRA | full: plain / checkpointed "
+        "| LoRA: plain / checkpointed |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, shape in QWEN25.items():
         with torch.device("meta"):
@@ -184,36 +286,53 @@ def table(lora_rank=16, tokens=16384):
             params = model.num_params()
             lora.add_adapters(model, lora_rank, 32.0)
             adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        state = {"full": 16 * params, "lora": 2 * (params - adapters) + 16 * adapters}  # fp32 w+g+2 moments; bf16 base
+        state = {
+            "full": 16 * params,
+            "lora": 2 * (params - adapters) + 16 * adapters,
+        }  # fp32 w+g+2 moments; bf16 base
         peaks, activations = {}, {}
         for kind, rank in (("full", 0), ("lora", lora_rank)):
             layer, layer_checkpointed, head = saved_per_token(shape, rank)
             n = shape["num_hidden_layers"]
             activations[kind] = (n * layer + head) * tokens
             # checkpointed: every layer's input, and the one layer the backward pass recomputes at a time
-            peaks[kind] = [state[kind] + (n * layer + head) * tokens,
-                           state[kind] + (n * layer_checkpointed + layer + head) * tokens]
+            peaks[kind] = [
+                state[kind] + (n * layer + head) * tokens,
+                state[kind] + (n * layer_checkpointed + layer + head) * tokens,
+            ]
         gb = lambda b: f"{b / 1e9:.0f}" if b >= 1e10 else f"{b / 1e9:.1f}"  # noqa: E731
-        print(f"| {name} | {params / 1e9:.2f}B | {adapters / 1e6:.1f}M | {gb(state['full'])} / {gb(state['lora'])} | "
-              f"{gb(activations['full'])} / {gb(activations['lora'])} | {' / '.join(map(gb, peaks['full']))} | "
-              f"{' / '.join(map(gb, peaks['lora']))} |")
+        print(
+            f"| {name} | {params / 1e9:.2f}B | {adapters / 1e6:.1f}M | {gb(state['full'])} / {gb(state['lora'])} | "
+            f"{gb(activations['full'])} / {gb(activations['lora'])} | {' / '.join(map(gb, peaks['full']))} | "
+            f"{' / '.join(map(gb, peaks['lora']))} |"
+        )
 
 
 def per_token(tokens=256):
     """Saved bytes per token of one decoder layer (plain, and checkpointed: its input only) and of the head."""
-    print(f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), torch {torch.__version__}")
+    print(
+        f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), torch {torch.__version__}"
+    )
     print(f"{'shape':<6} {'params':>8} {'layer':>9} {'layer, checkpointed':>20} {'head':>10}")
     for name, shape in QWEN25.items():
         with torch.device("meta"):
             params = GPT(GPTConfig(**shape)).num_params()
         layer, layer_checkpointed, head = saved_per_token(shape, tokens=tokens)
-        print(f"{name:<6} {params / 1e9:>7.2f}B {layer:>9.0f} {layer_checkpointed:>20.0f} {head:>10.0f}")
+        print(
+            f"{name:<6} {params / 1e9:>7.2f}B {layer:>9.0f} {layer_checkpointed:>20.0f} {head:>10.0f}"
+        )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="activation memory with and without activation checkpointing")
+    p = argparse.ArgumentParser(
+        description="activation memory with and without activation checkpointing"
+    )
     p.add_argument("--per-token", action="store_true")
-    p.add_argument("--table", action="store_true", help="per-GPU memory of full fine-tuning and LoRA, Qwen2.5 shapes")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="per-GPU memory of full fine-tuning and LoRA, Qwen2.5 shapes",
+    )
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=512)

@@ -33,9 +33,13 @@ def force_stops(model, lengths, stop):
             return logits  # prefill: one row per prompt, never a stop at step 0
         if state.rows is None:
             state.rows = list(range(len(lengths)))
-        if logits.size(0) < len(state.rows):  # a compaction: the rows it made stop left, the engine's way
+        if logits.size(0) < len(
+            state.rows
+        ):  # a compaction: the rows it made stop left, the engine's way
             live = torch.tensor([r not in state.stopped for r in state.rows])
-            state.rows = [state.rows[i] for i in compaction_moves(live, int(live.sum()))[2].tolist()]
+            state.rows = [
+                state.rows[i] for i in compaction_moves(live, int(live.sum()))[2].tolist()
+            ]
         assert logits.size(0) == len(state.rows), "the hook lost track of the engine's rows"
         logits[:, :, stop] = float("-inf")
         for i, r in enumerate(state.rows):
@@ -69,9 +73,15 @@ def mixed_floor(model, prompts, samples, new_tokens, top_k, min_len, tries):
     engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
     steps = max(2, new_tokens // 2)
     sizes, costs, n = [], [], len(prompts)
-    while n >= 1:  # (n tokens) - (1 token) = n - 1 decode passes, and their sampling, without the prefill
-        one = best_of(lambda: engine.generate_batch(prompts[:n], samples, 1, 1.0, top_k, seed=1), tries)
-        many = best_of(lambda: engine.generate_batch(prompts[:n], samples, steps, 1.0, top_k, seed=1), tries)
+    while (
+        n >= 1
+    ):  # (n tokens) - (1 token) = n - 1 decode passes, and their sampling, without the prefill
+        one = best_of(
+            lambda: engine.generate_batch(prompts[:n], samples, 1, 1.0, top_k, seed=1), tries
+        )
+        many = best_of(
+            lambda: engine.generate_batch(prompts[:n], samples, steps, 1.0, top_k, seed=1), tries
+        )
         sizes.insert(0, n * samples)
         costs.insert(0, (many - one) / (steps - 1))
         n //= 2
@@ -89,7 +99,10 @@ def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
     """
     lengths = spread_lengths(len(prompts) * samples, min_len, new_tokens)
     stop = model.config.vocab_size - 1
-    stopping, running = Engine(model, Tokenizer(model.config.vocab_size, {stop})), Engine(model, Tokenizer(model.config.vocab_size))
+    stopping, running = (
+        Engine(model, Tokenizer(model.config.vocab_size, {stop})),
+        Engine(model, Tokenizer(model.config.vocab_size)),
+    )
     stopping.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
     mixed = full = float("inf")
     for _ in range(tries):
@@ -101,5 +114,10 @@ def mixed_lengths(model, prompts, samples, new_tokens, top_k, min_len, tries):
         finally:
             handle.remove()
         assert [sum(m) for m in masks] == lengths, "the forced stops did not happen where asked"
-        full = min(full, best_of(lambda: running.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), 1))
+        full = min(
+            full,
+            best_of(
+                lambda: running.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), 1
+            ),
+        )
     return sum(lengths), mixed, full

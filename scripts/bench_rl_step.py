@@ -35,14 +35,33 @@ from tasks import arith
 from policy.tokenizer import ByteTokenizer
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True,
-                         rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct: Llama, tied head, no bias, no q/k norm
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, tie_word_embeddings=True, rope_theta=1e5,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     "demo": make_demo_model.CONFIG,
 }
 
@@ -69,20 +88,42 @@ def main():
     del model
     ByteTokenizer().save_pretrained(model_dir)
     arith.grade = coin_flip_grade
-    code = chat_rl.main([f"--model={model_dir}", "--task=arith", f"--out-dir={out_dir}", f"--device-type={args.device_type}",
-                         f"--num-steps={args.steps}", f"--examples-per-step={args.prompts}", f"--num-samples={args.samples}",
-                         f"--max-new-tokens={args.max_new_tokens}", f"--device-batch-size={args.device_batch_size}",
-                         "--eval-every=-1", "--lr=1e-6", "--generate-batch-rows=256"])
+    code = chat_rl.main(
+        [
+            f"--model={model_dir}",
+            "--task=arith",
+            f"--out-dir={out_dir}",
+            f"--device-type={args.device_type}",
+            f"--num-steps={args.steps}",
+            f"--examples-per-step={args.prompts}",
+            f"--num-samples={args.samples}",
+            f"--max-new-tokens={args.max_new_tokens}",
+            f"--device-batch-size={args.device_batch_size}",
+            "--eval-every=-1",
+            "--lr=1e-6",
+            "--generate-batch-rows=256",
+        ]
+    )
     assert code == 0, f"chat_rl exited {code}"
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     shutil.rmtree(work)  # the random model and its final checkpoint: gigabytes for a real shape
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device_type != "cpu" else "cpu"
-    print(f"\nshape={args.shape} params={num_params / 1e6:.0f}M device={device} torch={torch.__version__} "
-          f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens")
-    print(f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | {'trained tokens':>14} | {'peak GiB':>8}")
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available() and args.device_type != "cpu"
+        else "cpu"
+    )
+    print(
+        f"\nshape={args.shape} params={num_params / 1e6:.0f}M device={device} torch={torch.__version__} "
+        f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens"
+    )
+    print(
+        f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | {'trained tokens':>14} | {'peak GiB':>8}"
+    )
     for r in rows:
-        print(f"{r['step']:>4} | {r['step_time_s']:>11.2f} | {r['rollout_tokens_per_s']:>13.0f} | "
-              f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['kept_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}")
+        print(
+            f"{r['step']:>4} | {r['step_time_s']:>11.2f} | {r['rollout_tokens_per_s']:>13.0f} | "
+            f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['kept_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}"
+        )
 
 
 # ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)
@@ -94,12 +135,20 @@ def update_matmul_seconds(c, positions, kept_tokens):
     rate: this is the floor those matmuls set, whatever the rest of the update does.
     """
     width, heads = c.hidden_size, c.head_dim * (c.num_attention_heads + 2 * c.num_key_value_heads)
-    shapes = [(width, heads), (c.head_dim * c.num_attention_heads, width), (width, 2 * c.intermediate_size),
-              (c.intermediate_size, width)]
+    shapes = [
+        (width, heads),
+        (c.head_dim * c.num_attention_heads, width),
+        (width, 2 * c.intermediate_size),
+        (c.intermediate_size, width),
+    ]
     total = 0.0
-    for (n_in, n_out), rows, times in [(s, positions, c.num_hidden_layers) for s in shapes] + [((width, c.vocab_size), kept_tokens, 1)]:
+    for (n_in, n_out), rows, times in [(s, positions, c.num_hidden_layers) for s in shapes] + [
+        ((width, c.vocab_size), kept_tokens, 1)
+    ]:
         x, w, dy = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
-        total += times * sum(best_of(f, 2) for f in (lambda: x @ w.T, lambda: dy @ w, lambda: dy.T @ x))
+        total += times * sum(
+            best_of(f, 2) for f in (lambda: x @ w.T, lambda: dy @ w, lambda: dy.T @ x)
+        )
     return total
 
 
@@ -145,33 +194,68 @@ def step_parts(model, n_prompts, samples, new_tokens):
         rows = arith.load("train")[:n_prompts]
         model.eval()
         t0 = time.perf_counter()
-        out = chat_rl.rollout(engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0)
+        out = chat_rl.rollout(
+            engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0
+        )
         rollout_and_reward = time.perf_counter() - t0
         optimizer = chat_rl.adamw(model.parameters(), 1e-6, defaults["weight_decay"])
         model.train()
-        advantages = chat_rl.compute_advantages(torch.tensor(out["total"]), samples, defaults["advantage"])
+        advantages = chat_rl.compute_advantages(
+            torch.tensor(out["total"]), samples, defaults["advantage"]
+        )
 
-        def update(logprobs=chat_rl.fast_logprobs):  # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
+        def update(
+            logprobs=chat_rl.fast_logprobs,
+        ):  # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
             model.zero_grad(set_to_none=True)
-            loss, kept_tokens = chat_rl.policy_gradient_backward(model, out["sequences"], out["masks"], advantages, samples, 32,
-                                                           defaults["loss_norm"], "cpu", logprobs=logprobs,
-                                                           device_batch_tokens=defaults["device_batch_tokens"])
-            chat_rl.optimizer_step(model, optimizer, 1e-6, defaults["grad_clip"], float(loss), kept_tokens)
+            loss, kept_tokens = chat_rl.policy_gradient_backward(
+                model,
+                out["sequences"],
+                out["masks"],
+                advantages,
+                samples,
+                32,
+                defaults["loss_norm"],
+                "cpu",
+                logprobs=logprobs,
+                device_batch_tokens=defaults["device_batch_tokens"],
+            )
+            chat_rl.optimizer_step(
+                model, optimizer, 1e-6, defaults["grad_clip"], float(loss), kept_tokens
+            )
 
         def update_whole():  # the same with plain_logprobs: every sequence whole, one row each, all logits at once
             update(chat_rl.plain_logprobs)
 
         c = model.config
-        kept = [(s, m) for s, m, a in zip(out["sequences"], out["masks"], advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples))
-                if a > 0]
+        kept = [
+            (s, m)
+            for s, m, a in zip(
+                out["sequences"],
+                out["masks"],
+                advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples),
+            )
+            if a > 0
+        ]
         work = update_work(c, kept, samples)
-        whole = best_of(update_whole, 2)  # twice, the faster kept: the first backward pass warms the allocator
-        shared, floor, rates = update_against_floor(update, work, torch.device("cpu"), torch.float32)
+        whole = best_of(
+            update_whole, 2
+        )  # twice, the faster kept: the first backward pass warms the allocator
+        shared, floor, rates = update_against_floor(
+            update, work, torch.device("cpu"), torch.float32
+        )
     finally:
         arith.grade = grade
-    return dict(rollout=sum(generate_seconds), reward=rollout_and_reward - sum(generate_seconds), update=shared,
-                update_whole=whole, update_floor=floor, gemm_flops=rates[torch.float32],
-                update_matmuls=update_matmul_seconds(c, work["positions"], work["kept_tokens"]), **work)
+    return dict(
+        rollout=sum(generate_seconds),
+        reward=rollout_and_reward - sum(generate_seconds),
+        update=shared,
+        update_whole=whole,
+        update_floor=floor,
+        gemm_flops=rates[torch.float32],
+        update_matmuls=update_matmul_seconds(c, work["positions"], work["kept_tokens"]),
+        **work,
+    )
 
 
 def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
@@ -214,23 +298,41 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
         forward_seconds.clear()
         t2 = time.perf_counter()
         loss, kept_tokens = chat_rl.policy_gradient_backward(
-            model, out.sequences, out.masks, advantages, samples, len(out.sequences),
-            defaults["loss_norm"], "cpu", device_batch_tokens=defaults["device_batch_tokens"],
-            logprobs=timed_logprobs)
+            model,
+            out.sequences,
+            out.masks,
+            advantages,
+            samples,
+            len(out.sequences),
+            defaults["loss_norm"],
+            "cpu",
+            device_batch_tokens=defaults["device_batch_tokens"],
+            logprobs=timed_logprobs,
+        )
         t3 = time.perf_counter()
-        chat_rl.optimizer_step(model, optimizer, lr, defaults["grad_clip"], float(loss),
-                               kept_tokens)
+        chat_rl.optimizer_step(
+            model, optimizer, lr, defaults["grad_clip"], float(loss), kept_tokens
+        )
         t4 = time.perf_counter()
         forward = sum(forward_seconds)
-        parts = {"rollout": t1 - t0, "logprobs": forward, "backward": t3 - t2 - forward,
-                 "optimizer": t4 - t3}
+        parts = {
+            "rollout": t1 - t0,
+            "logprobs": forward,
+            "backward": t3 - t2 - forward,
+            "optimizer": t4 - t3,
+        }
         best = {name: min(best[name], parts[name]) for name in best}
     group_kept = advantages.view(-1, samples).abs().sum(1).repeat_interleave(samples) > 0
     kept = [(s, m) for s, m, k in zip(out.sequences, out.masks, group_kept) if k]
     flops = pass_flops(model, update_work(model.config, kept, samples))
     rate = matmul_rate(sum(flops), torch.device("cpu"), torch.float32)
-    return dict(best, logprobs_flops=flops[0], backward_flops=flops[1], gemm_flops=rate,
-                trained_params=sum(p.numel() for p in trained))
+    return dict(
+        best,
+        logprobs_flops=flops[0],
+        backward_flops=flops[1],
+        gemm_flops=rate,
+        trained_params=sum(p.numel() for p in trained),
+    )
 
 
 def pass_flops(model, work):
@@ -273,7 +375,9 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
         return time.perf_counter() - t0
 
     flops = {dtype: work["weight_flops"] + work["attention_flops"] - work["head_grad_flops"]}
-    flops[torch.float32] = flops.get(torch.float32, 0) + work["head_grad_flops"]  # one entry when dtype is fp32
+    flops[torch.float32] = (
+        flops.get(torch.float32, 0) + work["head_grad_flops"]
+    )  # one entry when dtype is fp32
     seconds, rates = math.inf, {}
     for _ in range(tries):
         seconds = min(seconds, seconds_of(update))
@@ -291,7 +395,7 @@ def matmul_rate(total, device, dtype, n=2048):
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a = torch.randn(n, n, device=device, dtype=dtype)
-    out, gemms = torch.empty_like(a), max(1, round(total / (2 * n ** 3)))
+    out, gemms = torch.empty_like(a), max(1, round(total / (2 * n**3)))
     kernels = [lambda: torch.mm(a, a, out=out)]
     if packed_linear.can_pack(a):
         packed = packed_linear.packed_forward(packed_linear.pack(a, n), None)
@@ -303,7 +407,7 @@ def matmul_rate(total, device, dtype, n=2048):
         for _ in range(gemms):
             kernel()
         sync()
-        best = max(best, gemms * 2 * n ** 3 / (time.perf_counter() - t0))
+        best = max(best, gemms * 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 
@@ -318,16 +422,23 @@ def update_work(c, kept, samples):
     """
     own = [(sum(m), len(s) - sum(m) - 1) for s, m in kept]  # (own positions, prefix length) a row
     positions = sum(n for n, _ in own) + sum(p for _, p in own[::samples])
-    pairs = sum(n * p + n * (n + 1) // 2 for n, p in own) + sum(p * (p + 1) // 2 for _, p in own[::samples])
-    body = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-                                  + 3 * c.hidden_size * c.intermediate_size)
+    pairs = sum(n * p + n * (n + 1) // 2 for n, p in own) + sum(
+        p * (p + 1) // 2 for _, p in own[::samples]
+    )
+    body = c.num_hidden_layers * (
+        c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        + 3 * c.hidden_size * c.intermediate_size
+    )
     kept_tokens = sum(sum(m[1:]) for _, m in kept)
-    return dict(weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * kept_tokens, positions=positions,
-                kept_tokens=kept_tokens,
-                body_flops=2 * body * positions,  # the layers' weights, one forward pass
-                head_flops=2 * c.vocab_size * c.hidden_size * kept_tokens,  # the head's, one pass
-                attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs,
-                head_grad_flops=4 * c.vocab_size * c.hidden_size * kept_tokens)
+    return dict(
+        weight_flops=6 * body * positions + 6 * c.vocab_size * c.hidden_size * kept_tokens,
+        positions=positions,
+        kept_tokens=kept_tokens,
+        body_flops=2 * body * positions,  # the layers' weights, one forward pass
+        head_flops=2 * c.vocab_size * c.hidden_size * kept_tokens,  # the head's, one pass
+        attention_flops=12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs,
+        head_grad_flops=4 * c.vocab_size * c.hidden_size * kept_tokens,
+    )
 
 
 if __name__ == "__main__":

@@ -41,18 +41,52 @@ from scripts import bench_memory, bench_rl_step, op_count
 from scripts.bench_mixed_lengths import mixed_floor, mixed_lengths
 from scripts.bench_rl_step import Tokenizer, best_of
 
-QWEN3 = dict(qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096, head_dim=64)
+QWEN3 = dict(
+    qk_norm=True,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=4096,
+    head_dim=64,
+)
 CONFIGS = {
-    "4L": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, **QWEN3),
-    "12L": dict(vocab_size=32768, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
-                num_attention_heads=12, num_key_value_heads=4, **QWEN3),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, **QWEN3),
+    "4L": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **QWEN3,
+    ),
+    "12L": dict(
+        vocab_size=32768,
+        hidden_size=768,
+        intermediate_size=2304,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        **QWEN3,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **QWEN3,
+    ),
     "SmolLM2": bench_rl_step.SHAPES["smollm2-135m"],  # SmolLM2-135M-Instruct's shape, Llama
     # --quick's stand-in for it
-    "tiny-llama": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, rope_theta=1e5),
+    "tiny-llama": dict(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e5,
+    ),
 }
 FULL_VOCAB = 151936  # Qwen2.5 / Qwen3
 
@@ -63,20 +97,31 @@ def measure_machine(quick):
     kept too (0: not on this machine); and the read bandwidth."""
     n, tries = (512, 3) if quick else (2048, 8)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    mkl, onednn = 2 * n ** 3 / best_of(lambda: a @ b, tries), 0.0
+    mkl, onednn = 2 * n**3 / best_of(lambda: a @ b, tries), 0.0
     if packed_linear.can_pack(b):
         packed = packed_linear.packed_forward(packed_linear.pack(b, n), None)
-        onednn = 2 * n ** 3 / best_of(lambda: packed(a), tries)
-    x = torch.randn((2 if quick else 64) * 2 ** 20)  # 8 / 256 MB: well past the caches
+        onednn = 2 * n**3 / best_of(lambda: packed(a), tries)
+    x = torch.randn((2 if quick else 64) * 2**20)  # 8 / 256 MB: well past the caches
     read = x.numel() * 4 / best_of(lambda: x.sum(), tries)
-    return SimpleNamespace(gemm_flops=max(mkl, onednn), mkl_flops=mkl, onednn_flops=onednn,
-                           gemm_size=n, read_bytes=read)
+    return SimpleNamespace(
+        gemm_flops=max(mkl, onednn),
+        mkl_flops=mkl,
+        onednn_flops=onednn,
+        gemm_size=n,
+        read_bytes=read,
+    )
 
 
 def decode_cost(c, rows, context):
     """(FLOPs, bytes read) per generated token of config c at the given mean context length."""
-    linear = c.num_hidden_layers * (c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-                                    + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+    linear = (
+        c.num_hidden_layers
+        * (
+            c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        + c.vocab_size * c.hidden_size
+    )
     attention_flops = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context
     kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * 4
     return 2 * linear + attention_flops, kv_bytes + linear * 4 / rows
@@ -111,13 +156,19 @@ def duration(seconds):
 
 
 def random_prompts(n, length, vocab, seed=0):
-    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
-    engine = Engine(model, Tokenizer(model.config.vocab_size))  # no stop tokens: every row makes new_tokens
+    engine = Engine(
+        model, Tokenizer(model.config.vocab_size)
+    )  # no stop tokens: every row makes new_tokens
     engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
-    seconds = best_of(lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries)
+    seconds = best_of(
+        lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries
+    )
     return len(prompts) * samples * new_tokens / seconds
 
 
@@ -125,8 +176,21 @@ def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
 def transformers_generate(hf, prompts, samples, new_tokens, top_k):
     """transformers' generate on the same batch, every row sampling exactly new_tokens (top_k 0: the whole vocabulary)."""
     ids = torch.tensor(prompts)
-    kw = dict(do_sample=True, temperature=1.0, top_k=top_k, pad_token_id=0, eos_token_id=None, num_return_sequences=samples)
-    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=top_k,
+        pad_token_id=0,
+        eos_token_id=None,
+        num_return_sequences=samples,
+    )
+    return hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        **kw,
+    )
 
 
 def transformers_tokens_per_s(hf, prompts, samples, new_tokens, top_k):
@@ -142,6 +206,7 @@ def load_transformers(model):
     """The same weights through transformers: save_pretrained, then AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
+
     logging.disable_progress_bar()
     folder = tempfile.mkdtemp(prefix="bench_rollout_")
     try:
@@ -194,11 +259,13 @@ def packed_vs_plain_decode(model, prompts, samples, prompt_len, tries):
 def open_every_call(model, token):
     """A forward hook that lifts `token` (the byte '<') 1000 above the prefill's logits: every row's first
     token then opens a call, and the demo's policy goes on in its calculator style (`<<4*5=20>>`)."""
+
     def hook(module, args, kwargs, logits):
         cache = kwargs.get("kv_cache")
         if cache is not None and not cache.decoding:
             logits[..., token] += 1000.0
         return logits
+
     return model.register_forward_hook(hook, with_kwargs=True)
 
 
@@ -214,6 +281,7 @@ def tool_overhead(quick, tries):
     from plumbing.checkpoint import load_policy
     from tasks import arith
     from tasks.common import conversation
+
     model, tokenizer = load_policy("demo_model", "cpu")
     model.eval()
     tokenizer.stop_tokens = set()  # every row runs to new_tokens, tool or not
@@ -225,12 +293,24 @@ def tool_overhead(quick, tries):
         handle = open_every_call(model, ord("<")) if open_calls else None
         on, off = Engine(model, tokenizer, tool=calculate), Engine(model, tokenizer)
         for engine in (on, off):
-            engine.generate_batch(prompts[:1], 2, 4, seed=0)  # warm-up (and the tool's vocabulary tables)
+            engine.generate_batch(
+                prompts[:1], 2, 4, seed=0
+            )  # warm-up (and the tool's vocabulary tables)
         seconds = {on: float("inf"), off: float("inf")}
-        for _ in range(tries):  # on and off in turn, so a drift in the shared machine's speed meets both alike
+        for _ in range(
+            tries
+        ):  # on and off in turn, so a drift in the shared machine's speed meets both alike
             for engine in (on, off):
-                seconds[engine] = min(seconds[engine], best_of(lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, 0, seed=1), 1))
-        calls = on.generate(prompts, samples, new_tokens, 1.0, 0, seed=1).tool_calls  # the timed batch's, untimed
+                seconds[engine] = min(
+                    seconds[engine],
+                    best_of(
+                        lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, 0, seed=1),
+                        1,
+                    ),
+                )
+        calls = on.generate(
+            prompts, samples, new_tokens, 1.0, 0, seed=1
+        ).tool_calls  # the timed batch's, untimed
         if handle is not None:
             handle.remove()
         tokens = len(prompts) * samples * new_tokens
@@ -255,27 +335,51 @@ def smollm2_rows(add, quick, prompt_len, new_tokens):
     prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
     now = measure_machine(quick)
     if now.onednn_flops:  # the machine's two fp32 matmuls: the engine's large ones are oneDNN's
-        add(f"fp32 GEMM, {now.gemm_size} x {now.gemm_size}",
+        add(
+            f"fp32 GEMM, {now.gemm_size} x {now.gemm_size}",
             f"oneDNN, packed: {now.onednn_flops / 1e9:.0f} GFLOP/s",
             f"MKL (torch.mm): {now.mkl_flops / 1e9:.0f} GFLOP/s",
-            f"{now.onednn_flops / now.mkl_flops:.2f}x", "")
+            f"{now.onednn_flops / now.mkl_flops:.2f}x",
+            "",
+        )
     ours = engine_tokens_per_s(model, prompts, samples, new_tokens, 0)
     n, seconds = transformers_tokens_per_s(hf, prompts, samples, new_tokens, 0)
     del hf
     case = f"{name} {n_prompts}x{samples}, {new_tokens} new tokens, top-k 0"
-    add(case, f"{ours:,.0f} tok/s", f"transformers {n / seconds:,.0f} tok/s",
-        f"{ours / (n / seconds):.1f}x", ">= 2.5x")
+    add(
+        case,
+        f"{ours:,.0f} tok/s",
+        f"transformers {n / seconds:,.0f} tok/s",
+        f"{ours / (n / seconds):.1f}x",
+        ">= 2.5x",
+    )
     ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
-    add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} "
-        f"GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)", percent(ours / ceiling), "")
+    add(
+        case,
+        f"{ours:,.0f} tok/s",
+        f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} "
+        f"GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+        percent(ours / ceiling),
+        "",
+    )
     packed, plain = packed_vs_plain_decode(model, n_prompts, samples, prompt_len, 3 if quick else 5)
-    add(f"{name} decode pass, {n_prompts * samples} rows, weights packed", f"{packed * 1e3:.1f} ms",
-        f"MKL's matmuls, in turn: {plain * 1e3:.1f} ms", f"{packed / plain:.2f}x", "")
-    head, sample, decode = sampling_vs_decode(model, n_prompts, samples, prompt_len,
-                                              tries=2 if quick else 3)
-    add(f"{name} head and sampler, {n_prompts * samples} rows, {c.vocab_size:,} columns",
+    add(
+        f"{name} decode pass, {n_prompts * samples} rows, weights packed",
+        f"{packed * 1e3:.1f} ms",
+        f"MKL's matmuls, in turn: {plain * 1e3:.1f} ms",
+        f"{packed / plain:.2f}x",
+        "",
+    )
+    head, sample, decode = sampling_vs_decode(
+        model, n_prompts, samples, prompt_len, tries=2 if quick else 3
+    )
+    add(
+        f"{name} head and sampler, {n_prompts * samples} rows, {c.vocab_size:,} columns",
         f"head {head * 1e3:.1f} ms, sampler {sample * 1e3:.1f} ms / step",
-        f"decode pass {decode * 1e3:.0f} ms", f"{(head + sample) / decode:.0%}", "")
+        f"decode pass {decode * 1e3:.0f} ms",
+        f"{(head + sample) / decode:.0%}",
+        "",
+    )
 
 
 def smollm2_step_rows(add, quick):
@@ -296,34 +400,53 @@ def smollm2_step_rows(add, quick):
             lora.add_adapters(model, rank, 32.0)
         prompts = random_prompts(n_prompts, prompt_len, model.config.vocab_size)
         parts = bench_rl_step.step_breakdown(model, prompts, samples, new_tokens, tries=2)
-        rates = SimpleNamespace(gemm_flops=parts["gemm_flops"],
-                                read_bytes=measure_machine(quick).read_bytes)
+        rates = SimpleNamespace(
+            gemm_flops=parts["gemm_flops"], read_bytes=measure_machine(quick).read_bytes
+        )
         trained = parts["trained_params"]
         floors = dict(
             rollout=rollout_floor(model.config, prompt_len, n_prompts, samples, new_tokens, rates),
             logprobs=parts["logprobs_flops"] / rates.gemm_flops,
             backward=parts["backward_flops"] / rates.gemm_flops,
-            optimizer=40 * trained / rates.read_bytes)
-        what = dict(rollout="its matmuls and cache reads", backward="its matmuls",
-                    logprobs="its matmuls, the head's gradients too",
-                    optimizer=f"{trained / 1e6:.3g}M parameters' bytes")
+            optimizer=40 * trained / rates.read_bytes,
+        )
+        what = dict(
+            rollout="its matmuls and cache reads",
+            backward="its matmuls",
+            logprobs="its matmuls, the head's gradients too",
+            optimizer=f"{trained / 1e6:.3g}M parameters' bytes",
+        )
         kind = f"LoRA rank {rank}" if rank else "full"
         for part, floor in floors.items():
-            add(f"{name} RL step {n_prompts}x{samples}, {prompt_len} + {new_tokens} tokens, "
-                f"{kind}: {part.replace('logprobs', 'log-probs')}", duration(parts[part]),
-                f"floor {duration(floor)}, {what[part]}", percent(floor / parts[part]), "")
+            add(
+                f"{name} RL step {n_prompts}x{samples}, {prompt_len} + {new_tokens} tokens, "
+                f"{kind}: {part.replace('logprobs', 'log-probs')}",
+                duration(parts[part]),
+                f"floor {duration(floor)}, {what[part]}",
+                percent(floor / parts[part]),
+                "",
+            )
         step, floor = sum(parts[part] for part in floors), sum(floors.values())
-        add(f"{name} RL step {n_prompts}x{samples}, {kind}: whole step", duration(step),
+        add(
+            f"{name} RL step {n_prompts}x{samples}, {kind}: whole step",
+            duration(step),
             f"floor {duration(floor)} ({rates.gemm_flops / 1e9:.0f} GFLOP/s, "
-            f"{rates.read_bytes / 1e9:.0f} GB/s)", percent(floor / step), "")
+            f"{rates.read_bytes / 1e9:.0f} GB/s)",
+            percent(floor / step),
+            "",
+        )
 
 
 # ---- the table --------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description="engine rollout benchmark (one table)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run in seconds")
-    p.add_argument("--only", default="", help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
-                                           "lora, smollm2, smollm2-step, tool (default all)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
+        "lora, smollm2, smollm2-step, tool (default all)",
+    )
     args = p.parse_args(argv)
     torch.manual_seed(0)
     quick, started = args.quick, time.time()
@@ -336,16 +459,25 @@ def main(argv=None):
         lines.append(row)
         print("  " + " | ".join(row), flush=True)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32 GEMM "
-          f"{machine.gemm_flops / 1e9:.0f} GFLOP/s, read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)", flush=True)
-    plan = [("tiny", [(1, 4), (2, 4)])] if quick else [("4L", [(1, 16), (16, 16)]), ("12L", [(1, 16), (16, 16)])]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32 GEMM "
+        f"{machine.gemm_flops / 1e9:.0f} GFLOP/s, read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)",
+        flush=True,
+    )
+    plan = (
+        [("tiny", [(1, 4), (2, 4)])]
+        if quick
+        else [("4L", [(1, 16), (16, 16)]), ("12L", [(1, 16), (16, 16)])]
+    )
     for name, layouts in plan if wanted("engine") or wanted("ops") or wanted("long") else []:
         model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
         c = model.config
         hf = load_transformers(model)
         for n_prompts, samples in layouts if wanted("engine") else []:
             prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
-            now = measure_machine(quick)  # the machine is shared: its ceiling is measured again next to each run
+            now = measure_machine(
+                quick
+            )  # the machine is shared: its ceiling is measured again next to each run
             ours = engine_tokens_per_s(model, prompts, samples, new_tokens, top_k)
             # transformers on the 12-layer model is slow: fewer new tokens for it (its per-token cost only grows with length)
             hf_tokens = new_tokens if name != "12L" else 16
@@ -353,91 +485,201 @@ def main(argv=None):
             ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
             case = f"{name} {n_prompts}x{samples}"
             target_hf = {"4L 1x16": ">= 3x", "4L 16x16": ">= 6x"}.get(case, "")
-            add(case, f"{ours:,.0f} tok/s", f"transformers {n / seconds:,.0f} tok/s" + (f" ({hf_tokens} new tokens)" if hf_tokens != new_tokens else ""),
-                f"{ours / (n / seconds):.1f}x", target_hf)
-            add(case, f"{ours:,.0f} tok/s", f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
-                percent(ours / ceiling), {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""))
-        if wanted("ops"):  # operations per decode pass, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
+            add(
+                case,
+                f"{ours:,.0f} tok/s",
+                f"transformers {n / seconds:,.0f} tok/s"
+                + (f" ({hf_tokens} new tokens)" if hf_tokens != new_tokens else ""),
+                f"{ours / (n / seconds):.1f}x",
+                target_hf,
+            )
+            add(
+                case,
+                f"{ours:,.0f} tok/s",
+                f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+                percent(ours / ceiling),
+                {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""),
+            )
+        if wanted(
+            "ops"
+        ):  # operations per decode pass, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
             n_prompts, samples = layouts[-1] if name != "12L" else layouts[0]
-            prompts, engine = random_prompts(n_prompts, prompt_len, c.vocab_size), Engine(model, Tokenizer(c.vocab_size))
-            ours, ours_all, _ = op_count.ops_per_step(lambda n: engine.generate_batch(prompts, samples, n, 1.0, 0, seed=1))
-            theirs, theirs_all, _ = op_count.ops_per_step(lambda n: transformers_generate(hf, prompts, samples, n, 0))
-            add(f"{name} {n_prompts}x{samples} decode pass, top-k 0", f"{ours:.0f} operations ({ours_all:.0f} with views)",
-                f"transformers {theirs:.0f} ({theirs_all:.0f})", f"{ours / theirs:.2f}x", "<= 200" if name == "4L" else "")
-        if wanted("long") and name != "12L":  # long completions: the context grows 4x as long over the rollout
+            prompts, engine = (
+                random_prompts(n_prompts, prompt_len, c.vocab_size),
+                Engine(model, Tokenizer(c.vocab_size)),
+            )
+            ours, ours_all, _ = op_count.ops_per_step(
+                lambda n: engine.generate_batch(prompts, samples, n, 1.0, 0, seed=1)
+            )
+            theirs, theirs_all, _ = op_count.ops_per_step(
+                lambda n: transformers_generate(hf, prompts, samples, n, 0)
+            )
+            add(
+                f"{name} {n_prompts}x{samples} decode pass, top-k 0",
+                f"{ours:.0f} operations ({ours_all:.0f} with views)",
+                f"transformers {theirs:.0f} ({theirs_all:.0f})",
+                f"{ours / theirs:.2f}x",
+                "<= 200" if name == "4L" else "",
+            )
+        if (
+            wanted("long") and name != "12L"
+        ):  # long completions: the context grows 4x as long over the rollout
             # 1x and 4x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
             # machine: a shared machine's drift between two rows timed minutes apart would move one share, not both
             n_prompts, samples = layouts[-1]
-            prompts, now = random_prompts(n_prompts, prompt_len, c.vocab_size), measure_machine(quick)
+            prompts, now = (
+                random_prompts(n_prompts, prompt_len, c.vocab_size),
+                measure_machine(quick),
+            )
             lengths, best = (new_tokens, 4 * new_tokens), {}
             for _ in range(2):
                 for n in lengths:
-                    best[n] = max(best.get(n, 0), engine_tokens_per_s(model, prompts, samples, n, top_k))
-            share = {n: best[n] / ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, n, now) for n in lengths}
+                    best[n] = max(
+                        best.get(n, 0), engine_tokens_per_s(model, prompts, samples, n, top_k)
+                    )
+            share = {
+                n: best[n] / ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, n, now)
+                for n in lengths
+            }
             short, long = lengths
-            add(f"{name} {n_prompts}x{samples}, {long} new tokens", f"{best[long]:,.0f} tok/s, {percent(share[long])} of its ceiling",
+            add(
+                f"{name} {n_prompts}x{samples}, {long} new tokens",
+                f"{best[long]:,.0f} tok/s, {percent(share[long])} of its ceiling",
                 f"{short} new tokens, timed in turn: {best[short]:,.0f} tok/s, {percent(share[short])} of its ceiling "
-                f"({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)", f"{share[long] / share[short]:.2f}x", ">= 1.00x")
+                f"({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+                f"{share[long] / share[short]:.2f}x",
+                ">= 1.00x",
+            )
         del hf
-    if wanted("mixed"):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
+    if wanted(
+        "mixed"
+    ):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
         prompts = random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size)
-        useful, mixed, full = mixed_lengths(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
-        add(f"mixed lengths {len(prompts)}x{4 if quick else 16}, {4 if quick else 16}..{new_tokens} tokens",
-            f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s", f"all rows to {new_tokens}: {full:.2f} s", f"{mixed / full:.2f}x", "<= 0.65x")
-        floor, sizes, costs = mixed_floor(model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2)
-        add("mixed lengths, floor from step costs", f"{floor:.2f}x with free compactions, no finished row kept",
+        useful, mixed, full = mixed_lengths(
+            model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2
+        )
+        add(
+            f"mixed lengths {len(prompts)}x{4 if quick else 16}, {4 if quick else 16}..{new_tokens} tokens",
+            f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s",
+            f"all rows to {new_tokens}: {full:.2f} s",
+            f"{mixed / full:.2f}x",
+            "<= 0.65x",
+        )
+        floor, sizes, costs = mixed_floor(
+            model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2
+        )
+        add(
+            "mixed lengths, floor from step costs",
+            f"{floor:.2f}x with free compactions, no finished row kept",
             f"decode pass {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, {costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
-            f"engine {mixed / full / floor:.2f}x the floor", "")
+            f"engine {mixed / full / floor:.2f}x the floor",
+            "",
+        )
     if wanted("sampling"):  # full-vocabulary sampling against a decode pass
-        config = dict(CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1))
+        config = dict(
+            CONFIGS["tiny" if quick else "12L"], vocab_size=FULL_VOCAB // (64 if quick else 1)
+        )
         prompts, samples = (2, 8) if quick else (16, 16)
         model = GPT(GPTConfig(**config)).init_weights(0).eval()
         tries = 2 if quick else 3
         _, sample, decode = sampling_vs_decode(model, prompts, samples, prompt_len, tries)
-        add(f"sampling {config['vocab_size']:,} columns, {prompts * samples} rows, top-k 0", f"{sample * 1e3:.1f} ms / step",
-            f"decode pass {decode * 1e3:.0f} ms", f"{sample / decode:.1%}", "<= 15%")
+        add(
+            f"sampling {config['vocab_size']:,} columns, {prompts * samples} rows, top-k 0",
+            f"{sample * 1e3:.1f} ms / step",
+            f"decode pass {decode * 1e3:.0f} ms",
+            f"{sample / decode:.1%}",
+            "<= 15%",
+        )
     if wanted("logprob"):  # the training log-prob pass
         tokens, hidden, vocab = (512, 64, 4096) if quick else (8192, 768, FULL_VOCAB)
-        chunked, unchunked = (bench_memory.logprob_peak(kind, tokens, hidden, vocab) for kind in ("chunked", "unchunked"))
-        add(f"log-prob pass peak, {tokens:,} tokens, vocab {vocab:,}, width {hidden}", f"+{chunked / 2**30:.2f} GiB chunked",
-            f"+{unchunked / 2**30:.2f} GiB unchunked", f"{chunked / max(unchunked, 1):.2f}x", "<= 1.5 GB")
+        chunked, unchunked = (
+            bench_memory.logprob_peak(kind, tokens, hidden, vocab)
+            for kind in ("chunked", "unchunked")
+        )
+        add(
+            f"log-prob pass peak, {tokens:,} tokens, vocab {vocab:,}, width {hidden}",
+            f"+{chunked / 2**30:.2f} GiB chunked",
+            f"+{unchunked / 2**30:.2f} GiB unchunked",
+            f"{chunked / max(unchunked, 1):.2f}x",
+            "<= 1.5 GB",
+        )
     if wanted("rlstep"):  # one whole RL step, 4L (tiny when quick)
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0)
-        parts = bench_rl_step.step_parts(model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens)
-        add(f"RL step {4 if quick else 16}x{4 if quick else 16}x{new_tokens}", f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
-            f"update {parts['update']:.1f} s", f"update at the GEMM rate ({parts['gemm_flops'] / 1e9:.0f} GFLOP/s beside it): "
+        parts = bench_rl_step.step_parts(
+            model, n_prompts=4 if quick else 16, samples=4 if quick else 16, new_tokens=new_tokens
+        )
+        add(
+            f"RL step {4 if quick else 16}x{4 if quick else 16}x{new_tokens}",
+            f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
+            f"update {parts['update']:.1f} s",
+            f"update at the GEMM rate ({parts['gemm_flops'] / 1e9:.0f} GFLOP/s beside it): "
             f"{parts['update_floor']:.2f} s (attention {parts['attention_flops'] / parts['gemm_flops']:.2f} s)",
-            f"{parts['update_floor'] / parts['update']:.0%}", ">= 75%")
-        add("update against its own matmuls", f"{parts['update']:.1f} s", f"the same matmuls alone, at their shapes: "
-            f"{parts['update_matmuls']:.1f} s", f"{parts['update_matmuls'] / parts['update']:.0%}", "")
-        add("update, fast_logprobs", f"{parts['update']:.2f} s", f"plain_logprobs: {parts['update_whole']:.2f} s",
-            f"{parts['update'] / parts['update_whole']:.2f}x", "")
-    if wanted("lora"):  # LoRA adapters beside the frozen base (policy/lora.py) against the same model without them
+            f"{parts['update_floor'] / parts['update']:.0%}",
+            ">= 75%",
+        )
+        add(
+            "update against its own matmuls",
+            f"{parts['update']:.1f} s",
+            f"the same matmuls alone, at their shapes: {parts['update_matmuls']:.1f} s",
+            f"{parts['update_matmuls'] / parts['update']:.0%}",
+            "",
+        )
+        add(
+            "update, fast_logprobs",
+            f"{parts['update']:.2f} s",
+            f"plain_logprobs: {parts['update_whole']:.2f} s",
+            f"{parts['update'] / parts['update_whole']:.2f}x",
+            "",
+        )
+    if wanted(
+        "lora"
+    ):  # LoRA adapters beside the frozen base (policy/lora.py) against the same model without them
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
-        prompts, samples = random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size), 4 if quick else 16
-        adapted = lora.add_adapters(GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval(), 16, 32.0)
+        prompts, samples = (
+            random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size),
+            4 if quick else 16,
+        )
+        adapted = lora.add_adapters(
+            GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval(), 16, 32.0
+        )
         speeds = {"base": 0.0, "lora": 0.0}
         for _ in range(2 if quick else 3):  # in turn, the best of each: the machine is shared
             for name, m in (("base", model), ("lora", adapted)):
-                speeds[name] = max(speeds[name], engine_tokens_per_s(m, prompts, samples, new_tokens, top_k))
-        add(f"LoRA rank 16, every projection, {len(prompts)}x{samples}", f"{speeds['lora']:,.0f} tok/s",
-            f"the base alone: {speeds['base']:,.0f} tok/s", f"{speeds['lora'] / speeds['base']:.2f}x", "")
+                speeds[name] = max(
+                    speeds[name], engine_tokens_per_s(m, prompts, samples, new_tokens, top_k)
+                )
+        add(
+            f"LoRA rank 16, every projection, {len(prompts)}x{samples}",
+            f"{speeds['lora']:,.0f} tok/s",
+            f"the base alone: {speeds['base']:,.0f} tok/s",
+            f"{speeds['lora'] / speeds['base']:.2f}x",
+            "",
+        )
     if wanted("smollm2"):  # SmolLM2-135M's shape: the engine against transformers and its ceiling
         smollm2_rows(add, quick, prompt_len, new_tokens)
     if wanted("smollm2-step"):  # SmolLM2-135M's shape: one RL step in its parts, full and LoRA
         smollm2_step_rows(add, quick)
     if wanted("tool"):  # the calculator on against off, on the demo's policy
-        for label, (calls, on, off) in zip(("as it starts", "every row calling"), tool_overhead(quick, tries=2 if quick else 5)):
-            add(f"calculator on, demo model, {label}, {calls:.1f} calls a row", f"{on:,.0f} tok/s", f"calculator off: {off:,.0f} tok/s",
-                f"{on / off:.2f}x", ">= 0.90x")
+        for label, (calls, on, off) in zip(
+            ("as it starts", "every row calling"), tool_overhead(quick, tries=2 if quick else 5)
+        ):
+            add(
+                f"calculator on, demo model, {label}, {calls:.1f} calls a row",
+                f"{on:,.0f} tok/s",
+                f"calculator off: {off:,.0f} tok/s",
+                f"{on / off:.2f}x",
+                ">= 0.90x",
+            )
     return print_table(lines, quick, started, machine)
 
 
 def print_table(lines, quick, started, machine):
-    print(f"\n`python -m scripts.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{(time.time() - started) / 60:.1f} min; at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
-          f"read {machine.read_bytes / 1e9:.1f} GB/s\n")
+    print(
+        f"\n`python -m scripts.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{(time.time() - started) / 60:.1f} min; at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+        f"read {machine.read_bytes / 1e9:.1f} GB/s\n"
+    )
     header = ("case", "engine", "compared with", "ratio", "target")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

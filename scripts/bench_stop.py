@@ -29,8 +29,13 @@ def main():
     args = p.parse_args()
     out_dir = tempfile.mkdtemp(prefix="bench_stop-")
     flags = [f for f in args.flags if f != "--"] + [f"--out-dir={out_dir}"]
-    run = subprocess.Popen([sys.executable, "-m", "chat_rl", *flags], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, bufsize=1)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "chat_rl", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     lines, sent, waiting = [], [], []
 
     def signal_later():
@@ -46,8 +51,10 @@ def main():
     code = run.wait()
     seconds = time.monotonic() - sent[0] if sent else float("nan")
     saved = sorted(d for d in os.listdir(out_dir) if d.startswith("step_"))
-    print(f"{seconds:.1f} s from {args.signal} to exit, {args.after} s after {args.line!r}: exit "
-          f"status {code}, checkpoints {', '.join(saved) or 'none'}")
+    print(
+        f"{seconds:.1f} s from {args.signal} to exit, {args.after} s after {args.line!r}: exit "
+        f"status {code}, checkpoints {', '.join(saved) or 'none'}"
+    )
     print("  ", "\n   ".join(lines[-3:]))
 
 

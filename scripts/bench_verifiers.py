@@ -15,7 +15,9 @@ from tasks import gsm8k, mathtask
 def adversarial_cases():
     """(name, task module, completion, reference) for inputs built to be slow, huge or hostile."""
     rng = random.Random(0)
-    garbage = "".join(rng.choice("\\{}^_$#0123456789,.()[] abcxyz+-*/=\n") for _ in range(1_000_000))
+    garbage = "".join(
+        rng.choice("\\{}^_$#0123456789,.()[] abcxyz+-*/=\n") for _ in range(1_000_000)
+    )
     tower = "9^{" * 40 + "9" + "}" * 40
     nest = "{" * 100_000 + "5" + "}" * 100_000
     g, m = gsm8k, mathtask
@@ -27,15 +29,25 @@ def adversarial_cases():
         ("gsm8k: 100k nested braces", g, "#### " + nest, "18"),
         ("gsm8k: a million commas", g, "#### 1" + ",000" * 250_000, "18"),
         ("math: megabyte of garbage", m, garbage, "5"),
-        ("math: garbage inside one box", m, "\\boxed{" + garbage.replace("{", "(").replace("}", ")") + "}", "5"),
+        (
+            "math: garbage inside one box",
+            m,
+            "\\boxed{" + garbage.replace("{", "(").replace("}", ")") + "}",
+            "5",
+        ),
         ("math: 100k nested braces in a box", m, "\\boxed{" + nest + "}", "5"),
         ("math: a megabyte of {} in a wrapped box", m, "\\boxed{{" + "{}" * 500_000 + "}}", "5"),
         ("math: 100k unterminated boxes", m, "\\boxed{" * 100_000, "5"),
         ("math: 100k closed boxes", m, "\\boxed{1}" * 100_000, "5"),
         ("math: 100k boxes vs a 3-part reference", m, "\\boxed{1}" * 100_000, "1, 2, 3"),
-        ("math: 3 trig soups vs a 3-part reference", m,
-         "".join(f"\\boxed{{\\sin^{{{n}}}(x)\\cos^{{40}}(x)\\tan^{{40}}(x)}}" for n in (40, 41, 42)),
-         "\\frac{1}{2}, x, 1"),  # the last box, then the last three: two comparisons, each in budget
+        (
+            "math: 3 trig soups vs a 3-part reference",
+            m,
+            "".join(
+                f"\\boxed{{\\sin^{{{n}}}(x)\\cos^{{40}}(x)\\tan^{{40}}(x)}}" for n in (40, 41, 42)
+            ),
+            "\\frac{1}{2}, x, 1",
+        ),  # the last box, then the last three: two comparisons, each in budget
         ("math: a million-digit number", m, "\\boxed{" + "9" * 1_000_000 + "}", "5"),
         ("math: 300-digit number vs sqrt", m, "\\boxed{" + "9" * 300 + "}", "\\sqrt{2}"),
         ("math: power tower 9^9^...^9", m, "\\boxed{" + tower + "}", "5"),
@@ -44,9 +56,19 @@ def adversarial_cases():
         ("math: 1000000!", m, "\\boxed{1000000!}", "5"),
         ("math: binom(10^6, 5*10^5)", m, "\\boxed{\\binom{1000000}{500000}}", "5"),
         ("math: (x+1)^{1000} vs a quadratic", m, "\\boxed{(x+1)^{1000}}", "x^2-x-2"),
-        ("math: trig power soup", m, "\\boxed{\\sin^{40}(x)\\cos^{40}(x)\\tan^{40}(x)}", "\\frac{1}{2}"),
+        (
+            "math: trig power soup",
+            m,
+            "\\boxed{\\sin^{40}(x)\\cos^{40}(x)\\tan^{40}(x)}",
+            "\\frac{1}{2}",
+        ),
         ("math: sum to 10^9", m, "\\boxed{\\sum_{k=1}^{10^{9}} k^k}", "5"),
-        ("math: 300-char polynomial", m, "\\boxed{" + "+".join(f"x^{{{i}}}" for i in range(45)) + "}", "x"),
+        (
+            "math: 300-char polynomial",
+            m,
+            "\\boxed{" + "+".join(f"x^{{{i}}}" for i in range(45)) + "}",
+            "x",
+        ),
         ("math: nested fractions", m, "\\boxed{" + "\\frac{1}{1+" * 30 + "x" + "}" * 30 + "}", "x"),
         ("math: \\frac soup", m, "\\boxed{" + "\\frac{" * 50 + "}" * 50 + "}", "5"),
         ("math: \\sqrt soup", m, "\\boxed{" + "\\sqrt" * 70 + "2}", "2"),

@@ -26,6 +26,7 @@ def solutions(paths):
                 yield from (json.loads(line)["answer"] for line in f if line.strip())
         return
     from tasks import gsm8k
+
     for split in ("train", "test"):
         yield from (row["answer"] for row in gsm8k.load(split))
 
@@ -38,7 +39,7 @@ def agrees(result, annotated):
     except (ValueError, ZeroDivisionError):
         return False
     places = len(annotated.partition(".")[2])
-    return got == want or abs(got - want) < Fraction(1, 10 ** places)
+    return got == want or abs(got - want) < Fraction(1, 10**places)
 
 
 def main(paths):
@@ -50,8 +51,10 @@ def main(paths):
             result = calculate(expression)
             if result is None or not agrees(result, annotated):
                 misses.append((annotation, result))
-    print(f"calculator agrees with {total - len(misses):,} of {total:,} GSM8K annotations "
-          f"({(total - len(misses)) / max(total, 1):.3%})")
+    print(
+        f"calculator agrees with {total - len(misses):,} of {total:,} GSM8K annotations "
+        f"({(total - len(misses)) / max(total, 1):.3%})"
+    )
     for annotation, result in misses:
         print(f"  <<{annotation}>>: calculate gives {result}")
 
@@ -59,6 +62,10 @@ def main(paths):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except RuntimeError as e:  # GSM8K neither on the hub nor in the cache: one line, and the way round it
-        sys.exit(f"check_calculator: {str(e).split('; offline?')[0]}; offline, pass GSM8K's own files instead: "
-                 f"python -m scripts.check_calculator train.jsonl test.jsonl")
+    except (
+        RuntimeError
+    ) as e:  # GSM8K neither on the hub nor in the cache: one line, and the way round it
+        sys.exit(
+            f"check_calculator: {str(e).split('; offline?')[0]}; offline, pass GSM8K's own files instead: "
+            f"python -m scripts.check_calculator train.jsonl test.jsonl"
+        )

@@ -47,7 +47,9 @@ def check(cases, show_all=False):
         if show_all or kind != "agree":
             print(f"{where:34} expected {case['expected']} got {verdict}  {kind}")
             if kind != "agree":
-                print(f"    gold: {case['gold'][-100:]!r}\n    prediction: {case['prediction'][-160:]!r}")
+                print(
+                    f"    gold: {case['gold'][-100:]!r}\n    prediction: {case['prediction'][-160:]!r}"
+                )
     return agree, false_pass, accepted, other
 
 
@@ -55,8 +57,10 @@ def main(argv):
     with open(CASES, encoding="utf-8") as f:
         cases = json.load(f)["cases"]
     agree, false_pass, accepted, other = check(cases, show_all="--all" in argv)
-    print(f"{agree}/{len(cases)} agree, {len(false_pass)} false passes, "
-          f"{len(accepted) + len(other)} false fails ({len(accepted)} by our rules, {len(other)} not)")
+    print(
+        f"{agree}/{len(cases)} agree, {len(false_pass)} false passes, "
+        f"{len(accepted) + len(other)} false fails ({len(accepted)} by our rules, {len(other)} not)"
+    )
     return 1 if false_pass or other else 0
 
 

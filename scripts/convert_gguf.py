@@ -52,13 +52,30 @@ def convert(source, out_dir):
         folder, name = os.path.split(os.path.abspath(path))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = model.config.to_diff_dict()  # only what differs from LlamaConfig's defaults, as hub configs
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype", "transformers_version"):
-        config.pop(key, None)  # the folder holds plain float32 weights, and no trace of where they came from
-    config.update(architectures=[type(model).__name__], model_type=model.config.model_type, torch_dtype="float32")
+    config = (
+        model.config.to_diff_dict()
+    )  # only what differs from LlamaConfig's defaults, as hub configs
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "dtype",
+        "transformers_version",
+    ):
+        config.pop(
+            key, None
+        )  # the folder holds plain float32 weights, and no trace of where they came from
+    config.update(
+        architectures=[type(model).__name__],
+        model_type=model.config.model_type,
+        torch_dtype="float32",
+    )
     # a tied head is the embedding: stored once, as hub checkpoints store it
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (config.get("tie_word_embeddings", True) and k == "lm_head.weight")}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (config.get("tie_word_embeddings", True) and k == "lm_head.weight")
+    }
     write_weights(out_dir, state)
     write_json(os.path.join(out_dir, "config.json"), config)
     tokenizer.save_pretrained(out_dir)
@@ -66,10 +83,19 @@ def convert(source, out_dir):
     tokenizer_config = read_json(os.path.join(out_dir, "tokenizer_config.json"))
     for key in ("backend", "is_local", "local_files_only"):
         tokenizer_config.pop(key, None)
-    write_json(os.path.join(out_dir, "tokenizer_config.json"), dict(tokenizer_config, tokenizer_class="PreTrainedTokenizerFast"))
+    write_json(
+        os.path.join(out_dir, "tokenizer_config.json"),
+        dict(tokenizer_config, tokenizer_class="PreTrainedTokenizerFast"),
+    )
     # the chat model's stop token is the end of its turn (<|im_end|>), which the GGUF file records as eos
-    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
-    write_json(os.path.join(out_dir, "generation_config.json"), {k: v for k, v in generation.items() if v is not None})
+    generation = {
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
+    }
+    write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {k: v for k, v in generation.items() if v is not None},
+    )
     n = sum(t.numel() for t in state.values())
     return f"{out_dir}: {config['model_type']}, {n / 1e6:.1f}M parameters, vocabulary {config['vocab_size']}"
 

@@ -51,8 +51,13 @@ from engine import Engine
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_mixed_lengths, bench_rollout
 from scripts.bench_rl_step import SHAPES, Tokenizer
-from scripts.gpu_check_training import (check_fsdp_loss, check_lora, check_shared_loss,
-                                        check_two_ranks, check_update)
+from scripts.gpu_check_training import (
+    check_fsdp_loss,
+    check_lora,
+    check_shared_loss,
+    check_two_ranks,
+    check_update,
+)
 
 BENCH_RL_STEP = "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
 
@@ -69,10 +74,21 @@ class Setup:
     """What every check shares: the device, the shapes of its batches, one random model, and its clock and verdicts."""
 
     def __init__(self, device_type, quick):
-        self.device, self.cuda, self.quick, self.built = torch.device(device_type), device_type == "cuda", quick, None
-        self.config = dict(bench_rollout.CONFIGS["tiny"], attention_bias=True) if quick else SHAPES["qwen2.5-0.5b"]
+        self.device, self.cuda, self.quick, self.built = (
+            torch.device(device_type),
+            device_type == "cuda",
+            quick,
+            None,
+        )
+        self.config = (
+            dict(bench_rollout.CONFIGS["tiny"], attention_bias=True)
+            if quick
+            else SHAPES["qwen2.5-0.5b"]
+        )
         # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each (mixed: stops from min_len)
-        self.prompts, self.samples, self.prompt_len, self.new_tokens, self.min_len = (4, 4, 16, 32, 4) if quick else (16, 16, 128, 256, 16)
+        self.prompts, self.samples, self.prompt_len, self.new_tokens, self.min_len = (
+            (4, 4, 16, 32, 4) if quick else (16, 16, 128, 256, 16)
+        )
         self.profile_tokens = 4 if quick else 8
         # shared_loss: prompts x samples rows, prompt lengths and completion lengths drawn from these ranges
         self.loss_batch = (3, 3, (4, 12), (2, 16)) if quick else (4, 4, (64, 128), (32, 256))
@@ -88,7 +104,10 @@ class Setup:
         if self.built is None:
             t0 = time.perf_counter()
             self.built = GPT(GPTConfig(**self.config)).init_weights(0).to(self.device)
-            print(f"  model: {self.built.num_params() / 1e6:.1f}M parameters, built in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"  model: {self.built.num_params() / 1e6:.1f}M parameters, built in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
         return self.built.eval()
 
     def sync(self):
@@ -104,18 +123,24 @@ class Setup:
         return out, time.perf_counter() - t0
 
     def verdict(self, met):
-        return ("pass" if met else "below target") if self.cuda else "ran (CPU)"  # the speed targets are an H200's
+        return (
+            ("pass" if met else "below target") if self.cuda else "ran (CPU)"
+        )  # the speed targets are an H200's
 
 
 # ---- the checks: each returns (result, note) or raises --------------------------------------------
 def check_env(s):
-    print(f"  torch {torch.__version__}, python {sys.version.split()[0]}, {torch.get_num_threads()} CPU threads")
+    print(
+        f"  torch {torch.__version__}, python {sys.version.split()[0]}, {torch.get_num_threads()} CPU threads"
+    )
     if not s.cuda:
         return "pass", f"cpu, torch {torch.__version__}"
     p = torch.cuda.get_device_properties(s.device)
     bf16 = torch.cuda.is_bf16_supported()
-    note = (f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, bf16 {'yes' if bf16 else 'NO'}")
+    note = (
+        f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, bf16 {'yes' if bf16 else 'NO'}"
+    )
     # TF32 would loosen the fp32 comparisons of shared_loss; PyTorch's default is off
     print(f"  {note}; TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}")
     return ("pass" if bf16 else "FAIL"), note
@@ -127,10 +152,16 @@ def check_rollout(s):
     engine = Engine(model, Tokenizer(vocab))  # no stop tokens: every row makes new_tokens
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
     with s.autocast():
-        (_, warm) = s.timed(lambda: engine.generate_batch(prompts, s.samples, max(2, s.new_tokens // 8), 1.0, None, seed=0))
+        (_, warm) = s.timed(
+            lambda: engine.generate_batch(
+                prompts, s.samples, max(2, s.new_tokens // 8), 1.0, None, seed=0
+            )
+        )
         if s.cuda:
             torch.cuda.reset_peak_memory_stats()
-        (_, masks), seconds = s.timed(lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1))
+        (_, masks), seconds = s.timed(
+            lambda: engine.generate_batch(prompts, s.samples, s.new_tokens, 1.0, None, seed=1)
+        )
     rows = s.prompts * s.samples
     assert sum(map(sum, masks)) == rows * s.new_tokens, "rows without stop tokens stopped early"
     tok_s = rows * s.new_tokens / seconds
@@ -143,8 +174,12 @@ def check_rollout(s):
 def gpu_busy_us(prof):
     """Microseconds the GPU spent in kernels (and copies) during a profile: the device-side events' durations
     (not the annotations that newer profilers mirror onto the GPU timeline: they span kernels already counted)."""
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return sum(
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+    )
 
 
 def check_profile(s):
@@ -157,7 +192,9 @@ def check_profile(s):
     def call(tokens):
         return engine.generate_batch(prompts, s.samples, tokens, 1.0, None, seed=1)
 
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if s.cuda else [])
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if s.cuda else []
+    )
     with s.autocast():
         call(n)  # warm-up
         # one token = prefill + sampling, no decode pass; n tokens = the same + n - 1 decode passes: the difference is theirs
@@ -169,14 +206,23 @@ def check_profile(s):
                 s.sync()
             busy[k] = gpu_busy_us(prof)
     events = prof.key_averages()
-    key = "cpu_time_total" if not s.cuda else "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    key = (
+        "cpu_time_total"
+        if not s.cuda
+        else "device_time_total"
+        if hasattr(events[0], "device_time_total")
+        else "cuda_time_total"
+    )
     print(events.table(sort_by=key, row_limit=15))
     step_ms = (wall[n] - wall[1]) / (n - 1) * 1e3
     note = f"decode pass {step_ms:.2f} ms wall ({s.prompts * s.samples} rows)"
     if s.cuda:
         busy_ms = (busy[n] - busy[1]) / (n - 1) / 1e3
-        note += (f", GPU busy {busy_ms:.2f} ms ({busy_ms / step_ms:.0%}; far below 100% = launch-bound)" if busy[n] > 0
-                 else ", no GPU events recorded (CUPTI?): busy time unknown")
+        note += (
+            f", GPU busy {busy_ms:.2f} ms ({busy_ms / step_ms:.0%}; far below 100% = launch-bound)"
+            if busy[n] > 0
+            else ", no GPU events recorded (CUPTI?): busy time unknown"
+        )
     print("  " + note)
     return "pass", note
 
@@ -185,9 +231,13 @@ def check_mixed(s):
     model = s.model()
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
     with s.autocast():  # bench_rollout's own measurement (bench_mixed_lengths): force_stops makes row r stop after a spread length
-        useful, mixed, full = bench_mixed_lengths.mixed_lengths(model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1)
-    note = (f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} ({useful / mixed:,.0f} useful tok/s), "
-            f"{full:.2f} s all to {s.new_tokens}")
+        useful, mixed, full = bench_mixed_lengths.mixed_lengths(
+            model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1
+        )
+    note = (
+        f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} ({useful / mixed:,.0f} useful tok/s), "
+        f"{full:.2f} s all to {s.new_tokens}"
+    )
     print("  " + note)
     return s.verdict(mixed / full <= 0.65), note + ", target <= 0.65x"
 
@@ -207,9 +257,17 @@ def error_line(e):
 
 
 # every check in the order they run: the engine's, then the training pass's (scripts/gpu_check_training.py)
-CHECK_FUNCTIONS = dict(env=check_env, rollout=check_rollout, profile=check_profile, shared_loss=check_shared_loss,
-                       fsdp_loss=check_fsdp_loss, two_ranks=check_two_ranks, lora=check_lora,
-                       update=check_update, mixed=check_mixed)
+CHECK_FUNCTIONS = dict(
+    env=check_env,
+    rollout=check_rollout,
+    profile=check_profile,
+    shared_loss=check_shared_loss,
+    fsdp_loss=check_fsdp_loss,
+    two_ranks=check_two_ranks,
+    lora=check_lora,
+    update=check_update,
+    mixed=check_mixed,
+)
 CHECKS = list(CHECK_FUNCTIONS)
 
 # what each result means for a run on this machine: {check: {result: line}}; "*": any other result
@@ -217,37 +275,46 @@ REPORT = "report the line above"
 MEANING = {
     "env": {
         "pass": "chat_rl's bf16 compute runs on this device",
-        "FAIL": "no bf16 here: chat_rl's autocast will not run; use a GPU with bf16 (Ampere on)"},
+        "FAIL": "no bf16 here: chat_rl's autocast will not run; use a GPU with bf16 (Ampere on)",
+    },
     "rollout": {
         "pass": "sampling meets its H200 speed target",
         "below target": "sampling runs, below its H200 speed target: steps will take longer",
-        "ran (CPU)": "sampling runs end to end (its speed is a GPU's to judge)"},
+        "ran (CPU)": "sampling runs end to end (its speed is a GPU's to judge)",
+    },
     "profile": {
-        "*": "the note says how busy the GPU is in a decode pass (far below 100%: launch-bound)"},
+        "*": "the note says how busy the GPU is in a decode pass (far below 100%: launch-bound)"
+    },
     "shared_loss": {
         "pass": "the loss chat_rl trains with gives the plain loss's gradient here",
-        "FAIL": f"the fast loss disagrees with the plain one: use --logprobs=plain; {REPORT}"},
+        "FAIL": f"the fast loss disagrees with the plain one: use --logprobs=plain; {REPORT}",
+    },
     "fsdp_loss": {
         "pass": "--fsdp's bf16 loss gives the whole model's gradient: --fsdp may be used",
-        "FAIL": f"--fsdp gives another gradient here: do not use --fsdp; {REPORT}"},
+        "FAIL": f"--fsdp gives another gradient here: do not use --fsdp; {REPORT}",
+    },
     "two_ranks": {
         "pass": "two ranks train what one process trains, replicated and under --fsdp: torchrun "
-                "runs may be launched",
+        "runs may be launched",
         "one GPU": "multi-GPU training is unchecked: run this where two GPUs are visible before a "
-                   "torchrun launch",
-        "FAIL": f"two ranks disagree with one process: launch no torchrun run; {REPORT}"},
+        "torchrun launch",
+        "FAIL": f"two ranks disagree with one process: launch no torchrun run; {REPORT}",
+    },
     "lora": {
         "pass": "LoRA on a bf16 base trains the fp32 base's gradient and saves without an fp32 "
-                "model on the GPU: --lora-rank may be used",
-        "FAIL": f"LoRA on a bf16 base fails here: do not use --lora-rank; {REPORT}"},
+        "model on the GPU: --lora-rank may be used",
+        "FAIL": f"LoRA on a bf16 base fails here: do not use --lora-rank; {REPORT}",
+    },
     "update": {
         "pass": "an RL update meets its H200 speed target",
         "below target": "an RL update runs, below its H200 speed target",
-        "ran (CPU)": "an RL update (loss, backward, AdamW) runs end to end"},
+        "ran (CPU)": "an RL update (loss, backward, AdamW) runs end to end",
+    },
     "mixed": {
         "pass": "finished rows leave the batch as fast as the target asks",
         "below target": "finished rows cost more than the target allows: short rows save less",
-        "ran (CPU)": "rows of mixed lengths run end to end"},
+        "ran (CPU)": "rows of mixed lengths run end to end",
+    },
 }
 
 
@@ -264,10 +331,20 @@ def meaning(check, result):
 def main(argv=None):
     p = argparse.ArgumentParser(description="the GPU checks, one report (see the docstring)")
     p.add_argument("--device-type", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds")
-    p.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several)")
-    p.add_argument("--budget-s", type=float, default=480,
-                   help="start no check after this many seconds (the table still prints)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds"
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=480,
+        help="start no check after this many seconds (the table still prints)",
+    )
     args = p.parse_args(argv)
     only = [w for w in args.only.split(",") if w]
     unknown = [w for w in only if not any(c.startswith(w) for c in CHECKS)]
@@ -277,8 +354,10 @@ def main(argv=None):
     torch.manual_seed(0)
     s = Setup(args.device_type, args.quick)
     shape = "tiny (bench_rollout 'tiny' + qkv bias)" if args.quick else "qwen2.5-0.5b"
-    print(f"gpu_check: device {args.device_type}, shape {shape}, fp32 weights under bf16 autocast",
-          flush=True)
+    print(
+        f"gpu_check: device {args.device_type}, shape {shape}, fp32 weights under bf16 autocast",
+        flush=True,
+    )
     rows, failed = [], False
     # a time limit's SIGTERM ends the check under way, not the report: the table of what ran still prints
     previous = signal.signal(signal.SIGTERM, out_of_time)
@@ -287,8 +366,18 @@ def main(argv=None):
             rows.append((name, "skipped", "not in --only"))
             continue
         if time.time() - started > args.budget_s or any(r[1] == "cut off" for r in rows):
-            rows.append((name, "skipped", "not started: " + (f"past --budget-s={args.budget_s:g}" if time.time() - started > args.budget_s
-                                                             else "an earlier check was cut off")))
+            rows.append(
+                (
+                    name,
+                    "skipped",
+                    "not started: "
+                    + (
+                        f"past --budget-s={args.budget_s:g}"
+                        if time.time() - started > args.budget_s
+                        else "an earlier check was cut off"
+                    ),
+                )
+            )
             continue
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
@@ -304,8 +393,10 @@ def main(argv=None):
         seconds = time.perf_counter() - t0
         print(f"  [{name}: {result}, {seconds:.1f} s]", flush=True)
         rows.append((name, result, f"{note} ({seconds:.0f} s)"))
-    print(f"\n`python -m scripts.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
-          f"{' --only=' + args.only if args.only else ''}`: {time.time() - started:.0f} s in all\n")
+    print(
+        f"\n`python -m scripts.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
+        f"{' --only=' + args.only if args.only else ''}`: {time.time() - started:.0f} s in all\n"
+    )
     print("| check | result | note |\n| --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(x.replace("|", "/") for x in row) + " |")
@@ -313,7 +404,9 @@ def main(argv=None):
     for name, result, _ in rows:
         print(f"  {name}: {result}: {meaning(name, result)}")
     if s.cuda:
-        print(f"\nalso worth running if time is left (peak memory and time of whole RL steps):\n    {BENCH_RL_STEP}")
+        print(
+            f"\nalso worth running if time is left (peak memory and time of whole RL steps):\n    {BENCH_RL_STEP}"
+        )
     signal.signal(signal.SIGTERM, previous)
     return 1 if failed or any(r[1] == "cut off" for r in rows) else 0
 

@@ -111,14 +111,19 @@ def check_shared_loss(s):
     CUDA) and in fp32."""
     model = s.model().train()
     sequences, masks = loss_rollouts(s.loss_batch, model.config.vocab_size)
-    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)  # stand-in advantages
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(
+        s.device
+    )  # stand-in advantages
     notes, ok = [], True
     for name, autocast in s.precisions:
         results = {}
-        for _ in range(1 if name == "fp32" else 2):  # the bf16 timings: the second of each layout (the first warms up)
+        for _ in range(
+            1 if name == "fp32" else 2
+        ):  # the bf16 timings: the second of each layout (the first warms up)
             for layout in LAYOUTS:
-                results[layout] = loss_and_grad(s, model, sequences, masks, weights, layout,
-                                                autocast)
+                results[layout] = loss_and_grad(
+                    s, model, sequences, masks, weights, layout, autocast
+                )
         plain_nll, plain_grad, plain_s = results["plain"]
         parts = []
         for layout in LAYOUTS[:2]:
@@ -126,10 +131,14 @@ def check_shared_loss(s):
             assert nll.shape == plain_nll.shape, f"{plain_nll.numel()} targets whole, {nll.numel()}"
             nll_diff, norm_diff, cosine = grad_agreement(nll, grad, plain_nll, plain_grad)
             ok &= agrees(name, nll_diff, norm_diff, cosine)
-            parts.append(f"{layout}: NLL max diff {nll_diff:.1e}, grad norm rel diff "
-                         f"{norm_diff:.1e}, cosine {cosine:.6f}, {seconds / plain_s:.2f}x the time")
-        note = (f"{name} against plain (mean NLL {float(plain_nll.mean()):.2f}, "
-                f"{plain_s * 1e3:.0f} ms): " + "; ".join(parts))
+            parts.append(
+                f"{layout}: NLL max diff {nll_diff:.1e}, grad norm rel diff "
+                f"{norm_diff:.1e}, cosine {cosine:.6f}, {seconds / plain_s:.2f}x the time"
+            )
+        note = (
+            f"{name} against plain (mean NLL {float(plain_nll.mean()):.2f}, "
+            f"{plain_s * 1e3:.0f} ms): " + "; ".join(parts)
+        )
         print(f"  {note} ({len(sequences)} rows, {plain_nll.numel()} targets)", flush=True)
         notes.append(note)
         del results
@@ -142,24 +151,37 @@ def check_fsdp_loss(s):
     model's in fp32, the log-probs taken as chat_rl trains with them."""
     model = s.model().train()
     sequences, masks = loss_rollouts(s.loss_batch, model.config.vocab_size)
-    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)  # stand-in advantages
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(
+        s.device
+    )  # stand-in advantages
     told = "told the loss"
     ref_nll, ref_grad, _ = loss_and_grad(s, model, sequences, masks, weights, told, nullcontext)
     model.zero_grad(set_to_none=True)
     started = not dist.is_initialized()
     if started:  # one rank: FSDP's gathers, mixed precision and gradient reduction all run, over a group of one
-        dist.init_process_group("nccl" if s.cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if s.cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     try:
-        sharded = fsdp.prepare(copy.deepcopy(model).cpu(), s.device, fsdp=True,
-                               activation_checkpointing=False, dtype=s.dtype)
-        assert all(hasattr(p, "full_tensor") for p in sharded.parameters()), "fsdp.prepare left parameters unsharded"
+        sharded = fsdp.prepare(
+            copy.deepcopy(model).cpu(),
+            s.device,
+            fsdp=True,
+            activation_checkpointing=False,
+            dtype=s.dtype,
+        )
+        assert all(hasattr(p, "full_tensor") for p in sharded.parameters()), (
+            "fsdp.prepare left parameters unsharded"
+        )
         nll, grad, seconds = loss_and_grad(s, sharded, sequences, masks, weights, told, s.autocast)
     finally:
         if started:
             dist.destroy_process_group()
     nll_diff, norm_diff, cosine = grad_agreement(nll, grad, ref_nll, ref_grad)
-    note = (f"--fsdp bf16 against whole fp32: NLL max diff {nll_diff:.1e}, grad norm rel diff "
-            f"{norm_diff:.1e}, cosine {cosine:.6f} ({seconds * 1e3:.0f} ms)")
+    note = (
+        f"--fsdp bf16 against whole fp32: NLL max diff {nll_diff:.1e}, grad norm rel diff "
+        f"{norm_diff:.1e}, cosine {cosine:.6f} ({seconds * 1e3:.0f} ms)"
+    )
     print(f"  {note}", flush=True)
     return ("pass" if agrees("bf16", nll_diff, norm_diff, cosine) else "FAIL"), note
 
@@ -183,8 +205,13 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/init",
-                            rank=rank, world_size=world, device_id=device if cuda else None)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{folder}/init",
+        rank=rank,
+        world_size=world,
+        device_id=device if cuda else None,
+    )
     autocast = torch.autocast(device_type, dtype=torch.bfloat16)
     samples = loss_batch[1]
     start = GPT(GPTConfig(**config)).init_weights(0)  # the same weights on every rank
@@ -199,8 +226,13 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
     out["replicated"] = flat_grad(model)
     del model
     # --fsdp: shards, bf16 gathers, the ranks' passes matched (rank 1 runs 2 idle ones)
-    sharded = fsdp.prepare(copy.deepcopy(start), device, fsdp=True, activation_checkpointing=False,
-                           dtype=torch.bfloat16)
+    sharded = fsdp.prepare(
+        copy.deepcopy(start),
+        device,
+        fsdp=True,
+        activation_checkpointing=False,
+        dtype=torch.bfloat16,
+    )
     passes = []
     counted = lambda *a, **k: passes.append(1) or fast_logprobs(*a, **k)  # noqa: E731
     chat_rl.policy_gradient_backward(sharded.train(), *args, autocast=autocast, logprobs=counted)
@@ -222,8 +254,9 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
         both = [two_rank_rollouts(loss_batch, vocab, samples, r) for r in range(world)]
         rows = [sum((b[i] for b in both), []) for i in (0, 1)] + [torch.cat([b[2] for b in both])]
         whole = copy.deepcopy(start).to(device).train()
-        chat_rl.policy_gradient_backward(whole, *rows, samples, samples, "all_tokens", device,
-                                         autocast=autocast)
+        chat_rl.policy_gradient_backward(
+            whole, *rows, samples, samples, "all_tokens", device, autocast=autocast
+        )
         reference = flat_grad(whole)
         result = {"ranks": everyone}
         for kind in ("replicated", "fsdp"):
@@ -253,11 +286,13 @@ def check_two_ranks(s):
     sampled = [r["sampled"] for r in ranks]
     ok &= passes == [passes[0]] * len(ranks) and gathered and sampled == [8, 3]
     replicated, sharded = sums["replicated"], sums["fsdp"]
-    note = (f"{'nccl' if s.cuda else 'gloo'}, 2 ranks: gradient sum against one process, "
-            f"replicated cosine {replicated['cosine']:.6f} (norm {replicated['norm']:.1e} apart), "
-            f"--fsdp cosine {sharded['cosine']:.6f} (norm {sharded['norm']:.1e}); --fsdp passes "
-            f"{passes} (3 and 1 kept), gathered weights {'equal' if gathered else 'DIFFER'}, "
-            f"tokens sampled inside one gather {sampled}")
+    note = (
+        f"{'nccl' if s.cuda else 'gloo'}, 2 ranks: gradient sum against one process, "
+        f"replicated cosine {replicated['cosine']:.6f} (norm {replicated['norm']:.1e} apart), "
+        f"--fsdp cosine {sharded['cosine']:.6f} (norm {sharded['norm']:.1e}); --fsdp passes "
+        f"{passes} (3 and 1 kept), gathered weights {'equal' if gathered else 'DIFFER'}, "
+        f"tokens sampled inside one gather {sampled}"
+    )
     print(f"  {note}", flush=True)
     return ("pass" if ok else "FAIL"), note
 
@@ -291,8 +326,17 @@ def check_lora(s):
     grads = {}
     for dtype in (torch.float32, s.dtype):
         model = lora_copy(base, dtype)
-        chat_rl.policy_gradient_backward(model, sequences, masks, advantages, samples, samples,
-                                         "all_tokens", s.device, autocast=s.autocast())
+        chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            advantages,
+            samples,
+            samples,
+            "all_tokens",
+            s.device,
+            autocast=s.autocast(),
+        )
         grads[dtype] = flat_grad(model, trained_only=True)
         del model
     norm, cosine = norm_and_cosine(grads[s.dtype], grads[torch.float32])
@@ -316,11 +360,17 @@ def check_lora(s):
     del model, merged
     ok = cosine >= 0.99 and norm <= 0.02 and nll_finite and sum(map(sum, sampled)) == 8
     ok &= not s.cuda or added <= 2 * largest
-    peak = (f"GPU peak +{added:.0f} MiB (one weight in fp32: {largest:.0f} MiB, the model: "
-            f"{fp32_model:.0f} MiB)" if s.cuda else "made (the GPU's peak is measured on a GPU)")
-    note = (f"adapters' gradient on the bf16 base against the fp32 base: cosine {cosine:.6f}, norm "
-            f"{norm:.1e} apart; supervised NLL gradient {'finite' if nll_finite else 'NOT FINITE'};"
-            f" rollout ran; checkpoint's merged weights: {peak}")
+    peak = (
+        f"GPU peak +{added:.0f} MiB (one weight in fp32: {largest:.0f} MiB, the model: "
+        f"{fp32_model:.0f} MiB)"
+        if s.cuda
+        else "made (the GPU's peak is measured on a GPU)"
+    )
+    note = (
+        f"adapters' gradient on the bf16 base against the fp32 base: cosine {cosine:.6f}, norm "
+        f"{norm:.1e} apart; supervised NLL gradient {'finite' if nll_finite else 'NOT FINITE'};"
+        f" rollout ran; checkpoint's merged weights: {peak}"
+    )
     print(f"  {note}", flush=True)
     return ("pass" if ok else "FAIL"), note
 
@@ -334,19 +384,39 @@ def check_update(s):
     """
     model = s.model().train()
     vocab, rows = model.config.vocab_size, s.prompts * s.samples
-    tokens = torch.randint(0, vocab, (s.prompts, s.prompt_len + s.new_tokens), generator=torch.Generator().manual_seed(6))
-    sequences = [tokens[r // s.samples].tolist() for r in range(rows)]  # each prompt's samples share it whole: lengths alike
+    tokens = torch.randint(
+        0,
+        vocab,
+        (s.prompts, s.prompt_len + s.new_tokens),
+        generator=torch.Generator().manual_seed(6),
+    )
+    sequences = [
+        tokens[r // s.samples].tolist() for r in range(rows)
+    ]  # each prompt's samples share it whole: lengths alike
     masks = [[0] * s.prompt_len + [1] * s.new_tokens] * rows
-    advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)  # half right in every group: every group carries gradient
+    advantages = torch.tensor([1.0, -1.0]).repeat(
+        rows // 2
+    )  # half right in every group: every group carries gradient
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     optimizer = chat_rl.adamw(model.parameters(), 0.0, defaults["weight_decay"])
 
     def update():
         model.zero_grad(set_to_none=True)
-        loss, kept_tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, s.samples, s.samples,
-                                                       defaults["loss_norm"], s.device, autocast=s.autocast(),
-                                                       device_batch_tokens=defaults["device_batch_tokens"])
-        chat_rl.optimizer_step(model, optimizer, 0.0, defaults["grad_clip"], float(loss), kept_tokens)
+        loss, kept_tokens = chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            advantages,
+            s.samples,
+            s.samples,
+            defaults["loss_norm"],
+            s.device,
+            autocast=s.autocast(),
+            device_batch_tokens=defaults["device_batch_tokens"],
+        )
+        chat_rl.optimizer_step(
+            model, optimizer, 0.0, defaults["grad_clip"], float(loss), kept_tokens
+        )
 
     work = update_work(model.config, list(zip(sequences, masks)), s.samples)
     n = 512 if s.quick else 8192
@@ -354,8 +424,13 @@ def check_update(s):
     model.zero_grad(set_to_none=True)
     optimizer.state.clear()  # AdamW's moments: 8 bytes a parameter, not needed by the checks after this one
     share = floor / seconds
-    note = (f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rates beside it ("
-            + ", ".join(f"{str(kind).removeprefix('torch.')} {rate / 1e12:.1f} TFLOP/s" for kind, rate in rates.items())
-            + f") {floor:.2f} s: {share:.0%} (target >= 75%)")
+    note = (
+        f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rates beside it ("
+        + ", ".join(
+            f"{str(kind).removeprefix('torch.')} {rate / 1e12:.1f} TFLOP/s"
+            for kind, rate in rates.items()
+        )
+        + f") {floor:.2f} s: {share:.0%} (target >= 75%)"
+    )
     print(f"  {note}", flush=True)
     return s.verdict(share >= 0.75), note

@@ -36,10 +36,17 @@ from tasks.common import conversation
 from policy.tokenizer import ByteTokenizer
 
 # ---- hyperparameters -----------------------------------------------------------------------
-CONFIG = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-TOOL_RATE = 0.15      # share of demonstrations that compute every step with the calculator
-SLIP_RATE = 0.4       # share of the others with one arithmetic slip
+CONFIG = dict(
+    vocab_size=264,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+TOOL_RATE = 0.15  # share of demonstrations that compute every step with the calculator
+SLIP_RATE = 0.4  # share of the others with one arithmetic slip
 NUM_STEPS = 2400
 BATCH_SIZE = 32
 LR = 3e-3
@@ -64,7 +71,9 @@ def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE):
     return make_batch(seqs, masks, "cpu")  # the targets RL's loss takes too: only where mask is 1
 
 
-RESULT = re.compile(r"<<[^=\n>]*=([^>\n]*>>)")  # what the engine forces after `<<expr=`: the result and `>>`
+RESULT = re.compile(
+    r"<<[^=\n>]*=([^>\n]*>>)"
+)  # what the engine forces after `<<expr=`: the result and `>>`
 
 
 def mask_tool_results(ids, mask):
@@ -73,11 +82,18 @@ def mask_tool_results(ids, mask):
     text = "".join(chr(i) if i < 256 else "\0" for i in ids)
     mask = list(mask)
     for m in RESULT.finditer(text):
-        mask[m.start(1):m.end(1)] = [0] * (m.end(1) - m.start(1))
+        mask[m.start(1) : m.end(1)] = [0] * (m.end(1) - m.start(1))
     return mask
 
 
-def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE, log=tqdm.write):
+def build(
+    out=OUT,
+    seed=SEED,
+    num_steps=NUM_STEPS,
+    slip_rate=SLIP_RATE,
+    tool_rate=TOOL_RATE,
+    log=tqdm.write,
+):
     """
     Progress: a bar with counts on a terminal (tqdm, on stderr; off when stderr is not a terminal, e.g.
     a log file), and a plain line every 100 steps either way. log=tqdm.write prints lines without
@@ -87,17 +103,23 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, tool_rat
     rng = random.Random(seed)
     tokenizer = ByteTokenizer()
     model = GPT(GPTConfig(**CONFIG)).init_weights(seed)
-    log(f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, "
-        f"tool rate {tool_rate}, slip rate {slip_rate}")
+    log(
+        f"demo model: {model.num_params() / 1e6:.2f}M parameters, {num_steps} supervised steps, "
+        f"tool rate {tool_rate}, slip rate {slip_rate}"
+    )
     rows = arith.load("train", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     t0 = time.time()
     bar = tqdm(total=num_steps, desc="sft", unit="step", disable=None)  # None: only on a terminal
     for step in range(num_steps):
-        lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)  # warmup, then linear decay to 0
+        lr = (
+            LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)
+        )  # warmup, then linear decay to 0
         for group in opt.param_groups:
             group["lr"] = lr
-        inputs, targets = batch_of(rng.sample(rows, BATCH_SIZE), tokenizer, rng, slip_rate, tool_rate)
+        inputs, targets = batch_of(
+            rng.sample(rows, BATCH_SIZE), tokenizer, rng, slip_rate, tool_rate
+        )
         loss = model(inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -106,19 +128,24 @@ def build(out=OUT, seed=SEED, num_steps=NUM_STEPS, slip_rate=SLIP_RATE, tool_rat
         bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)  # drawn by the update
         bar.update()
         if step % 100 == 0 or step == num_steps - 1:
-            log(f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | {time.time() - t0:.0f}s")
+            log(
+                f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | {time.time() - t0:.0f}s"
+            )
     bar.close()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     log(f"saved {out}; measuring held-out accuracy, greedy and sampled")
     for temperature, (accuracy, tool_use) in measure(model, tokenizer).items():
-        log(f"{out}: temperature {temperature}: held-out accuracy {accuracy:.1%}, calculator used by {tool_use:.1%} (200 problems)")
+        log(
+            f"{out}: temperature {temperature}: held-out accuracy {accuracy:.1%}, calculator used by {tool_use:.1%} (200 problems)"
+        )
     return model
 
 
 def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
     """Held-out accuracy and tool use, greedy and sampled at T = 1: the gaps between them are what RL can close."""
     from engine import Engine
+
     rows = arith.load("test", limit=num_problems)
     prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in rows]
     engine, model = Engine(model, tokenizer, tool=calculate), model.eval()
@@ -126,9 +153,13 @@ def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
     # one batch per temperature (the seeded samples, and so the numbers, depend on the batch): the bar counts completions
     bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
-        seqs, _, calls, _ = engine.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, seed=1)
-        texts = [tokenizer.decode(s[len(prompts[i // n]):]) for i, s in enumerate(seqs)]
-        accuracy = sum(arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)) / len(texts)
+        seqs, _, calls, _ = engine.generate(
+            prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, seed=1
+        )
+        texts = [tokenizer.decode(s[len(prompts[i // n]) :]) for i, s in enumerate(seqs)]
+        accuracy = sum(
+            arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)
+        ) / len(texts)
         scores[temperature] = (accuracy, sum(c > 0 for c in calls) / len(texts))
         bar.update(len(texts))
     bar.close()

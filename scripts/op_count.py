@@ -41,4 +41,8 @@ def ops_per_step(generate, short=8, long=24):
     steps = long - short
     ops = counts[1].ops - counts[0].ops
     non_views = sum(ops.values()) / steps
-    return non_views, non_views + (counts[1].views - counts[0].views) / steps, Counter({k: v / steps for k, v in ops.items()})
+    return (
+        non_views,
+        non_views + (counts[1].views - counts[0].views) / steps,
+        Counter({k: v / steps for k, v in ops.items()}),
+    )

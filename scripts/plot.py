@@ -14,7 +14,9 @@ import os
 import sys
 
 USAGE = "usage: python -m scripts.plot <out_dir> [<out_dir> ...] [--out=file.png]"
-SMOOTH = 20  # steps in the running mean of the train reward: one step's reward (16 problems) is noisy
+SMOOTH = (
+    20  # steps in the running mean of the train reward: one step's reward (16 problems) is noisy
+)
 
 
 def read_metrics(out_dir):
@@ -53,6 +55,7 @@ def plot(out_dirs, path=None):
     path = path or os.path.join(out_dirs[0], "metrics.png")
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
@@ -61,6 +64,7 @@ def figure(out_dirs):
     """The four panels of the runs of out_dirs, as a matplotlib Figure (the test reads its axes)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
@@ -71,7 +75,10 @@ def figure(out_dirs):
     has_greedy = False
     for i, out_dir in enumerate(out_dirs):
         train, evals = read_metrics(out_dir)
-        label, color = os.path.basename(os.path.normpath(out_dir)), f"C{i}"  # one colour per run in every panel
+        label, color = (
+            os.path.basename(os.path.normpath(out_dir)),
+            f"C{i}",
+        )  # one colour per run in every panel
 
         def draw(ax, xs, ys, *style, **kwargs):
             ax.plot(xs, ys, *style, color=color, **kwargs)
@@ -86,25 +93,55 @@ def figure(out_dirs):
         # the headline pass@1 and the widest pass@k; one legend entry per run (the title says which line is which,
         # so the legend stays small enough to leave the curves' ends in view)
         for k, style in ((ks[0], "-"), (ks[-1], "--")) if ks else ():
-            draw(axes[0, 1], eval_steps, [r.get(f"pass@{k}", float("nan")) for r in evals], style, marker="o", ms=3,
-                 label=label if style == "-" else None)
+            draw(
+                axes[0, 1],
+                eval_steps,
+                [r.get(f"pass@{k}", float("nan")) for r in evals],
+                style,
+                marker="o",
+                ms=3,
+                label=label if style == "-" else None,
+            )
         greedy = [r for r in evals if "greedy" in r]
         if greedy:
             has_greedy = True
-            draw(axes[0, 1], [r["step"] for r in greedy], [r["greedy"] for r in greedy], ":", marker="s", ms=3)
+            draw(
+                axes[0, 1],
+                [r["step"] for r in greedy],
+                [r["greedy"] for r in greedy],
+                ":",
+                marker="s",
+                ms=3,
+            )
         draw(axes[1, 0], steps, [r["seq_len"] for r in train], alpha=0.7, label=label)
         has_tool = any("tool_use" in r for r in train)
         if has_tool:
-            draw(axes[1, 1], steps, running_mean([r.get("tool_use", 0.0) for r in train], SMOOTH), label=label)
-        draw(axes[1, 1], steps, [r.get("truncated", 0.0) for r in train], "--", label=None if has_tool else label)
-    titles = [f"mean reward (train): per step (faint) and running mean of {SMOOTH} steps",
-              "held-out pass@1 (solid), widest pass@k (dashed), T = 1.0" + ("; greedy (dotted)" if has_greedy else ""),
-              "mean completion tokens",
-              f"completions calling the calculator (mean of {SMOOTH} steps), truncated (dashed)"]
+            draw(
+                axes[1, 1],
+                steps,
+                running_mean([r.get("tool_use", 0.0) for r in train], SMOOTH),
+                label=label,
+            )
+        draw(
+            axes[1, 1],
+            steps,
+            [r.get("truncated", 0.0) for r in train],
+            "--",
+            label=None if has_tool else label,
+        )
+    titles = [
+        f"mean reward (train): per step (faint) and running mean of {SMOOTH} steps",
+        "held-out pass@1 (solid), widest pass@k (dashed), T = 1.0"
+        + ("; greedy (dotted)" if has_greedy else ""),
+        "mean completion tokens",
+        f"completions calling the calculator (mean of {SMOOTH} steps), truncated (dashed)",
+    ]
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 2.5 ticks on short runs
+        ax.xaxis.set_major_locator(
+            MaxNLocator(integer=True)
+        )  # steps are whole numbers: no 2.5 ticks on short runs
         values = [v for v in panels[ax] if v == v]  # nan (a pass@k a row lacks) is not a value
         if values and min(values) == max(values):
             # one value throughout (no truncation at all) would get matplotlib's +-0.04 band around it;

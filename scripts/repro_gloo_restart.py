@@ -21,10 +21,13 @@ import time
 def worker(prefixed):
     import torch
     import torch.distributed as dist
+
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if prefixed:
         store, rank, world = next(dist.rendezvous("env://"))
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"restart_{restart}", store), rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"restart_{restart}", store), rank=rank, world_size=world
+        )
     else:
         dist.init_process_group("gloo")
     for i in range(5):
@@ -40,8 +43,17 @@ def main(tries):
     for prefixed in (False, True):
         ok = 0
         for _ in range(tries):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
-                   "--nproc_per_node=2", os.path.abspath(__file__), "--worker", str(int(prefixed))]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--max-restarts=1",
+                "--nproc_per_node=2",
+                os.path.abspath(__file__),
+                "--worker",
+                str(int(prefixed)),
+            ]
             ok += subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0
         label = "PrefixStore per restart" if prefixed else "plain init_process_group('gloo')"
         print(f"{label:<40} {ok:>8} {tries - ok:>6}")

@@ -26,8 +26,36 @@ import random
 
 from tasks import gsm8k
 
-NAMES = ["Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim", "Leo", "Mia", "Ned", "Ola", "Pam", "Raj"]
-THINGS = ["pens", "apples", "cards", "books", "shells", "stamps", "coins", "eggs", "beads", "marbles"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Ivy",
+    "Jon",
+    "Kim",
+    "Leo",
+    "Mia",
+    "Ned",
+    "Ola",
+    "Pam",
+    "Raj",
+]
+THINGS = [
+    "pens",
+    "apples",
+    "cards",
+    "books",
+    "shells",
+    "stamps",
+    "coins",
+    "eggs",
+    "beads",
+    "marbles",
+]
 TEST_FRACTION = 0.2  # share of the number space reserved for the test split
 
 
@@ -97,14 +125,24 @@ def load(split, limit=None, seed=0):
         if _split_of(kind, nums) != split or (split == "test" and (kind, nums) in seen):
             misses += 1  # test problems are distinct, so pass@1 over N rows means N problems
             if misses > 200_000:
-                raise ValueError(f"arith has only about {len(rows)} distinct {split} problems; ask for fewer")
+                raise ValueError(
+                    f"arith has only about {len(rows)} distinct {split} problems; ask for fewer"
+                )
             continue
         misses = 0
         seen.add((kind, nums))
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
         q, steps, answer = _problem(kind, nums, name, thing)
-        rows.append({"question": q, "answer": "\n".join(steps) + f"\n#### {answer}",
-                     "kind": kind, "nums": list(nums), "name": name, "thing": thing})
+        rows.append(
+            {
+                "question": q,
+                "answer": "\n".join(steps) + f"\n#### {answer}",
+                "kind": kind,
+                "nums": list(nums),
+                "name": name,
+                "thing": thing,
+            }
+        )
     return rows
 
 
@@ -125,8 +163,14 @@ def solution_with_slip(row, rng):
     num_steps = row["answer"].count("\n")
     while True:  # a slip swallowed by a later step (13//5 == 12//5) would teach a wrong line with a right answer
         delta = rng.choice([-3, -2, -1, 1, 2, 3])
-        _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"],
-                                    slip_at=rng.randrange(num_steps), delta=delta)
+        _, steps, answer = _problem(
+            row["kind"],
+            tuple(row["nums"]),
+            row["name"],
+            row["thing"],
+            slip_at=rng.randrange(num_steps),
+            delta=delta,
+        )
         if str(answer) != reference(row):
             return "\n".join(steps) + f"\n#### {answer}"
 
@@ -134,7 +178,9 @@ def solution_with_slip(row, rng):
 def solution_with_tool(row):
     """The worked solution with every step a calculator call (`<<4*5=20>>`), in GSM8K's annotation syntax:
     the engine forces each result, so a solution written this way cannot slip."""
-    _, steps, answer = _problem(row["kind"], tuple(row["nums"]), row["name"], row["thing"], tool=True)
+    _, steps, answer = _problem(
+        row["kind"], tuple(row["nums"]), row["name"], row["thing"], tool=True
+    )
     return "\n".join(steps) + f"\n#### {answer}"
 
 

@@ -30,7 +30,12 @@ import urllib.request
 
 HUB_TIMEOUT_S = 3.0  # how long a data loader waits for the hub before it reads the local cache only
 
-TASKS = {"gsm8k": "tasks.gsm8k", "math": "tasks.mathtask", "arith": "tasks.arith", "mental": "tasks.mental"}
+TASKS = {
+    "gsm8k": "tasks.gsm8k",
+    "math": "tasks.mathtask",
+    "arith": "tasks.arith",
+    "mental": "tasks.mental",
+}
 
 
 INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_ok")
@@ -42,13 +47,17 @@ def get_task(name):
     if name in TASKS:
         return importlib.import_module(TASKS[name])
     if not (name.endswith(".py") or "/" in name or "." in name):
-        raise ValueError(f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, a module my_pkg.my_task "
-                         "or a file path/to/my_task.py)")
+        raise ValueError(
+            f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, a module my_pkg.my_task "
+            "or a file path/to/my_task.py)"
+        )
     task = import_user_code(name)
     missing = [f for f in INTERFACE if not callable(getattr(task, f, None))]
     if missing:
-        raise ValueError(f"task {name} has no function {', '.join(missing)}: a task defines {', '.join(INTERFACE)} "
-                         f"(tasks/common.py)")
+        raise ValueError(
+            f"task {name} has no function {', '.join(missing)}: a task defines {', '.join(INTERFACE)} "
+            f"(tasks/common.py)"
+        )
     return task
 
 
@@ -58,7 +67,9 @@ def import_user_code(name):
         if name.endswith(".py") or "/" in name:
             if not os.path.isfile(name):
                 raise ValueError(f"no such file {name!r}")
-            module_name = "user_code." + os.path.abspath(name)  # once per file: checking the flags imported it already
+            module_name = "user_code." + os.path.abspath(
+                name
+            )  # once per file: checking the flags imported it already
             if module_name not in sys.modules:
                 spec = importlib.util.spec_from_file_location(module_name, name)
                 module = importlib.util.module_from_spec(spec)
@@ -69,7 +80,9 @@ def import_user_code(name):
     except ValueError:
         raise
     except Exception as e:  # the user's code failed to import: its own error, in one line
-        raise ValueError(f"cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ValueError(
+            f"cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
 
 
 def user_function(spec):
@@ -84,8 +97,11 @@ def user_function(spec):
         raise ValueError(f"--reward={spec!r}: {e}") from None
     function = getattr(module, name, None)
     if not callable(function):
-        defined = [n for n, f in vars(module).items()  # its own functions, not those it imports
-                   if inspect.isfunction(f) and f.__module__ == module.__name__ and n[0] != "_"]
+        defined = [
+            n
+            for n, f in vars(module).items()  # its own functions, not those it imports
+            if inspect.isfunction(f) and f.__module__ == module.__name__ and n[0] != "_"
+        ]
         there = f"its functions: {', '.join(defined)}" if defined else "it defines no function"
         raise ValueError(f"--reward={spec!r}: {path} has no function {name} ({there})")
     return function
@@ -154,11 +170,18 @@ def use_cache_if_hub_unreachable():
     cache, so a machine without network loads its cached copy, or fails in seconds with the loader's
     one line, instead of sitting through datasets' ~24 s of "Retrying in 8s [Retry 5/5]" first.
     """
-    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if any(
+        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
         return
     try:
-        with urllib.request.urlopen(urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
-                                                           method="HEAD"), timeout=HUB_TIMEOUT_S):
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                os.environ.get("HF_ENDPOINT", "https://huggingface.co"), method="HEAD"
+            ),
+            timeout=HUB_TIMEOUT_S,
+        ):
             pass
     except urllib.error.HTTPError:
         pass  # an error status is still an answer: the hub is reachable

@@ -43,18 +43,26 @@ def exact_grade(completion, reference):
     return reference is not None and (completion or "").strip() == str(reference).strip()
 
 
-def make(prompt_column="question", answer_column="answer", instruction="", verifier="gsm8k", reward=""):
+def make(
+    prompt_column="question", answer_column="answer", instruction="", verifier="gsm8k", reward=""
+):
     """The task over rows of these columns, graded by `verifier`, or scored by `reward` ('file.py:function')."""
     if verifier not in VERIFIERS:
         raise ValueError(f"unknown --verifier {verifier!r} ({' | '.join(VERIFIERS)})")
-    to_reference = {"gsm8k": gsm8k_reference, "math": math_reference, "exact": exact_reference}[verifier]
+    to_reference = {"gsm8k": gsm8k_reference, "math": math_reference, "exact": exact_reference}[
+        verifier
+    ]
     rules = {"gsm8k": gsm8k, "math": mathtask}.get(verifier)
     task = SimpleNamespace(
         name="data",
         prompt=lambda row: str(row[prompt_column]) + (f"\n\n{instruction}" if instruction else ""),
         # with a reward of its own, the answer column is the reward's to read: shown in samples.jsonl as it is
-        reference=(lambda row: str(row[answer_column])) if reward else (lambda row: to_reference(row[answer_column])),
-        extract_answer=rules.extract_answer if rules else lambda completion: (completion or "").strip() or None,
+        reference=(lambda row: str(row[answer_column]))
+        if reward
+        else (lambda row: to_reference(row[answer_column])),
+        extract_answer=rules.extract_answer
+        if rules
+        else lambda completion: (completion or "").strip() or None,
         grade=rules.grade if rules else exact_grade,
         format_ok=rules.format_ok if rules else lambda completion: bool((completion or "").strip()),
         load=_load,
@@ -66,4 +74,6 @@ def make(prompt_column="question", answer_column="answer", instruction="", verif
 
 
 def _load(split, limit=None):
-    raise ValueError("--task=data reads its rows from --data (a file, a folder of them or a hub data set)")
+    raise ValueError(
+        "--task=data reads its rows from --data (a file, a folder of them or a hub data set)"
+    )

@@ -28,8 +28,10 @@ from tasks.common import use_cache_if_hub_unreachable
 
 DATASET, CONFIG = "openai/gsm8k", "main"
 
-INSTRUCTION = ("Solve the problem step by step. On the last line write the final answer as "
-               "'#### <number>' (digits only).")
+INSTRUCTION = (
+    "Solve the problem step by step. On the last line write the final answer as "
+    "'#### <number>' (digits only)."
+)
 
 
 def load(split, limit=None):
@@ -38,15 +40,16 @@ def load(split, limit=None):
         raise ValueError(f"gsm8k has splits 'train' and 'test', not {split!r}")
     use_cache_if_hub_unreachable()
     from datasets import load_dataset
+
     try:
         ds = load_dataset(DATASET, CONFIG, split=split)
     except Exception as e:  # no network, no cache, hub error: one actionable line, not a traceback
-        raise RuntimeError(f"could not load {DATASET} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
+        raise RuntimeError(
+            f"could not load {DATASET} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            "offline? run the offline demo instead: python -m chat_rl --preset=demo"
+        ) from None
     rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
     return rows[:limit] if limit else rows
-
-
 
 
 def prompt(row):
@@ -68,7 +71,9 @@ def solution(row):
 # sympy, linear scans, so it is bounded on any input and safe in any thread.
 MARKER_RE = re.compile(r"####")
 # after the marker: blanks and decoration ($, \$, **), a sign, maybe a $, then digits
-LEAD_RE = re.compile(r"(?:[^\S\n]|\*\*|\\?\$)*+([-+\u2212]?)(?:[^\S\n]|\\?\$)*+(?=\.?[0-9])")  # possessive: linear
+LEAD_RE = re.compile(
+    r"(?:[^\S\n]|\*\*|\\?\$)*+([-+\u2212]?)(?:[^\S\n]|\\?\$)*+(?=\.?[0-9])"
+)  # possessive: linear
 BODY_RE = re.compile(r"[0-9](?:[0-9,]*[0-9])?(?:\.[0-9]+)?|\.[0-9]+")
 GROUPED_RE = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 FORMAT_RE = re.compile(r"####[ \t]*-?[0-9]+(?:\.[0-9]+)?")
@@ -90,7 +95,7 @@ def _bound_number(text):
             continue  # "#### Step 1": a heading, not an answer; look further
         body = BODY_RE.match(text, lead.end())
         line_end = text.find("\n", body.end())
-        tail = text[body.end():line_end if line_end >= 0 else len(text)]
+        tail = text[body.end() : line_end if line_end >= 0 else len(text)]
         value = _parse_body(body.group())
         if value is None or any(ch.isnumeric() for ch in tail):  # 17 or 18, 18/1, 12.3.4, 18²
             return None  # the binding marker holds garbage: no fallback to a later marker
@@ -103,9 +108,9 @@ def _canonical(q):
     if q.denominator == 1:
         return str(q.numerator)
     k = 0
-    while (10 ** k) % q.denominator:
+    while (10**k) % q.denominator:
         k += 1
-    digits = str(abs(q.numerator) * (10 ** k // q.denominator)).rjust(k + 1, "0")
+    digits = str(abs(q.numerator) * (10**k // q.denominator)).rjust(k + 1, "0")
     return ("-" if q < 0 else "") + digits[:-k] + "." + digits[-k:]
 
 
@@ -130,5 +135,9 @@ def grade(completion, ref):
 def format_ok(completion):
     """The answer once, at the end, exactly as instructed: a last line '#### <digits>'."""
     lines = (completion or "").strip().splitlines()
-    return (bool(lines) and completion.count("####") == 1 and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
-            and _bound_number(lines[-1]) is not None)  # and not too long to be a number
+    return (
+        bool(lines)
+        and completion.count("####") == 1
+        and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
+        and _bound_number(lines[-1]) is not None
+    )  # and not too long to be a number

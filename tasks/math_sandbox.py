@@ -45,11 +45,14 @@ _NUMBER_TOKEN = re.compile(r"([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]{1,3}))?")
 def _exact_number(text):
     """A number token as an exact sympy Rational, with no sympify (eval) and no floats."""
     import sympy
+
     m = _NUMBER_TOKEN.fullmatch(text.replace(",", "").strip())
     if not m or not (m.group(1) or m.group(2)) or len(text) > 100:
         raise ValueError("not a number token")
     frac = m.group(2) or ""
-    q = Fraction(int((m.group(1) or "0") + frac), 10 ** len(frac)) * Fraction(10) ** int(m.group(3) or 0)
+    q = Fraction(int((m.group(1) or "0") + frac), 10 ** len(frac)) * Fraction(10) ** int(
+        m.group(3) or 0
+    )
     return sympy.Rational(q.numerator, q.denominator)
 
 
@@ -59,22 +62,37 @@ def _sympy_tools():
     from latex2sympy2_extended import latex2sympy2 as l2s
     from latex2sympy2_extended.math_normalization import NormalizationConfig, normalize_latex
     from math_verify.grader import should_treat_as_complex, verify
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we disabled its timeouts
+
+    logging.getLogger("math_verify").setLevel(
+        logging.ERROR
+    )  # it warns that we disabled its timeouts
     l2s._Latex2Sympy.parse_number = lambda self, text: _exact_number(text)
     l2s.convert_number = _exact_number
-    config = NormalizationConfig(basic_latex=True, units=True, malformed_operators=True, nits=True,
-                                 boxed="none", equations=False)
+    config = NormalizationConfig(
+        basic_latex=True,
+        units=True,
+        malformed_operators=True,
+        nits=True,
+        boxed="none",
+        equations=False,
+    )
 
     def parse(s):
         s = normalize_latex(s, config)
-        return l2s.latex2sympy(s, is_real=not should_treat_as_complex(s), convert_degrees=False,
-                               normalization_config=None)
+        return l2s.latex2sympy(
+            s,
+            is_real=not should_treat_as_complex(s),
+            convert_degrees=False,
+            normalization_config=None,
+        )
+
     return parse, verify
 
 
 def _digits(e, budget):
     """Upper bound on log10 of any number sympy could compute from e; inf means refuse."""
     import sympy
+
     budget[0] -= 1
     if budget[0] < 0:
         return math.inf
@@ -85,11 +103,13 @@ def _digits(e, budget):
     args = list(e) if isinstance(e, sympy.MatrixBase) else getattr(e, "args", ())
     if isinstance(e, (sympy.Pow, sympy.factorial, sympy.binomial)):
         power = isinstance(e, sympy.Pow)
-        top = _size(args[1], budget) if power else _digits(args[0], budget)  # the exponent, or n in n! and C(n, k)
+        top = (
+            _size(args[1], budget) if power else _digits(args[0], budget)
+        )  # the exponent, or n in n! and C(n, k)
         if top > 6:
             return math.inf
         base = _digits(args[0], budget) if power else top
-        return 10 ** top * max(base, 1)  # |b^n| <= |b|^|n|, n! <= n^n, C(n, k) <= 2^n
+        return 10**top * max(base, 1)  # |b^n| <= |b|^|n|, n! <= n^n, C(n, k) <= 2^n
     return 1 + sum(_digits(a, budget) for a in args)
 
 
@@ -99,6 +119,7 @@ def _size(e, budget):
     10^{(\sqrt{13}-5)/6} is below 10; bounding such exponents by their digits, as _digits does for
     the numbers themselves, refused them as if they were huge."""
     import sympy
+
     budget[0] -= 1
     if budget[0] < 0:
         return math.inf
@@ -129,10 +150,10 @@ def sympy_equal(p, r):
 
 # ---------------------------------------------------------------------------------------------
 # The worker: a child python that answers one JSON line [pred, ref] with "1" or "0".
-USE_WORKER = True     # tests switch it off to run sympy in-process
-CPU_BUDGET_S = 0.4    # inside the worker: CPU seconds one comparison may use, then it is "not equal"
-DEADLINE_S = 0.9      # outside: a worker this late that has burnt its budget is stuck in C code
-STARVED_S = 10.0      # a worker merely starved of CPU by other work gets this long before we give up
+USE_WORKER = True  # tests switch it off to run sympy in-process
+CPU_BUDGET_S = 0.4  # inside the worker: CPU seconds one comparison may use, then it is "not equal"
+DEADLINE_S = 0.9  # outside: a worker this late that has burnt its budget is stuck in C code
+STARVED_S = 10.0  # a worker merely starved of CPU by other work gets this long before we give up
 MEMORY_BYTES = 2 << 30
 _worker = {"proc": None, "pid": None, "ready": False, "broken": False}
 _lock = threading.Lock()
@@ -144,6 +165,7 @@ class _OverBudget(BaseException):  # BaseException: sympy's "except Exception" m
 
 def _serve():
     import resource, signal
+
     _, hard = resource.getrlimit(resource.RLIMIT_AS)  # lower the soft limit only, never raise it
     soft = MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
@@ -152,7 +174,10 @@ def _serve():
     def over_budget(*_):
         if armed[0]:
             raise _OverBudget()
-    signal.signal(signal.SIGPROF, over_budget)  # CPU time, not wall time: verdicts do not depend on load
+
+    signal.signal(
+        signal.SIGPROF, over_budget
+    )  # CPU time, not wall time: verdicts do not depend on load
     sympy_equal(r"\frac{x^2-1}{x+1}", "x-1")  # pay imports and caches before the first budget
     os.write(1, b"ready\n")
     for line in sys.stdin.buffer:
@@ -199,12 +224,21 @@ def _kill_worker():
 
 def _start_worker():
     # the worker loads this file by path, not as tasks.math_sandbox, so it starts from any cwd
-    boot = ("import importlib.util as u, sys; s = u.spec_from_file_location('_math_sandbox_worker', sys.argv[1]); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()")
-    _worker.update(proc=subprocess.Popen([sys.executable, "-c", boot, os.path.abspath(__file__)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, bufsize=0),
-                   pid=os.getpid(), ready=False)
+    boot = (
+        "import importlib.util as u, sys; s = u.spec_from_file_location('_math_sandbox_worker', sys.argv[1]); "
+        "m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()"
+    )
+    _worker.update(
+        proc=subprocess.Popen(
+            [sys.executable, "-c", boot, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+        ),
+        pid=os.getpid(),
+        ready=False,
+    )
 
 
 def _ask_worker(p, r):
@@ -226,11 +260,19 @@ def _ask_worker(p, r):
                 if answer is not None:
                     return answer == b"1"
                 cpu = _cpu_seconds(proc.pid)  # late: stuck in C code, or only starved of CPU?
-                if cpu is None or cpu0 is None or cpu - cpu0 > CPU_BUDGET_S + 0.1 or time.monotonic() - t0 > STARVED_S:
+                if (
+                    cpu is None
+                    or cpu0 is None
+                    or cpu - cpu0 > CPU_BUDGET_S + 0.1
+                    or time.monotonic() - t0 > STARVED_S
+                ):
                     break
         except (OSError, ValueError) as e:
             if not _worker["broken"]:
-                print(f"math_sandbox: sympy worker failed ({e}); such answers score 0", file=sys.stderr)
+                print(
+                    f"math_sandbox: sympy worker failed ({e}); such answers score 0",
+                    file=sys.stderr,
+                )
                 _worker["broken"] = True
         _kill_worker()  # stuck or dead: start a fresh one now so it is ready for the next call
         _start_worker()

@@ -64,22 +64,36 @@ from functools import lru_cache
 from tasks import math_sandbox
 from tasks.common import use_cache_if_hub_unreachable
 
-TRAIN_DATASET, TRAIN_CONFIGS = "EleutherAI/hendrycks_math", (
-    "algebra", "counting_and_probability", "geometry", "intermediate_algebra",
-    "number_theory", "prealgebra", "precalculus")
+TRAIN_DATASET, TRAIN_CONFIGS = (
+    "EleutherAI/hendrycks_math",
+    (
+        "algebra",
+        "counting_and_probability",
+        "geometry",
+        "intermediate_algebra",
+        "number_theory",
+        "prealgebra",
+        "precalculus",
+    ),
+)
 TEST_DATASET = "HuggingFaceH4/MATH-500"
 
-INSTRUCTION = ("Solve the problem step by step. At the very end, write the final answer once as "
-               "\\boxed{<answer>}, in simplest exact form.")
+INSTRUCTION = (
+    "Solve the problem step by step. At the very end, write the final answer once as "
+    "\\boxed{<answer>}, in simplest exact form."
+)
 
 
 def _load_dataset(name, config, split):
     from datasets import load_dataset
+
     try:
         return load_dataset(name, config, split=split)
     except Exception as e:  # no network, no cache, hub error: one actionable line, not a traceback
-        raise RuntimeError(f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           "offline? run the offline demo instead: python -m chat_rl --preset=demo") from None
+        raise RuntimeError(
+            f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            "offline? run the offline demo instead: python -m chat_rl --preset=demo"
+        ) from None
 
 
 def load(split, limit=None):
@@ -90,7 +104,9 @@ def load(split, limit=None):
     if split == "test":
         rows = [dict(r) for r in _load_dataset(TEST_DATASET, None, "test")]
     else:  # the train split only: MATH-500 comes from MATH's test split
-        subjects = [[dict(r) for r in _load_dataset(TRAIN_DATASET, c, "train")] for c in TRAIN_CONFIGS]
+        subjects = [
+            [dict(r) for r in _load_dataset(TRAIN_DATASET, c, "train")] for c in TRAIN_CONFIGS
+        ]
         rows = [s[i] for i in range(max(map(len, subjects))) for s in subjects if i < len(s)]
     return rows[:limit] if limit else rows
 
@@ -149,7 +165,7 @@ def _boxes(text):
         if end < 0:
             boxes.append((None, m.start(), len(text)))
             return boxes
-        boxes.append((text[start + 1:end - 1], m.start(), end))
+        boxes.append((text[start + 1 : end - 1], m.start(), end))
         pos = end
 
 
@@ -187,7 +203,7 @@ def _strip_wrapping_braces(s):
             lo += 1
         while hi >= lo and s[hi].isspace():
             hi -= 1
-    return s[lo:hi + 1]  # "" for {} or {{ }}: an empty box
+    return s[lo : hi + 1]  # "" for {} or {{ }}: an empty box
 
 
 def _answer(content):
@@ -212,8 +228,10 @@ _SPACING = r"(?:\s|\$|\\[()\[\]]|\\q?quad(?![A-Za-z])|\\[,;:! ]|~)*"
 _JOIN = r"(?:,?\s*(?:and|or)\b|,|;)"
 _UNIT = r"(?:\\text\s*\{\s*[A-Za-z]+\s*\}|[A-Za-z]+\b)"
 _NAME = r"(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)"
-LIST_GAP = re.compile(rf"{_SPACING}(?:(?:{_UNIT}{_SPACING})?(?:\\text\s*\{{\s*{_JOIN}\s*\}}|{_JOIN}){_SPACING}"
-                      rf"(?:{_NAME}{_SPACING})?)?")
+LIST_GAP = re.compile(
+    rf"{_SPACING}(?:(?:{_UNIT}{_SPACING})?(?:\\text\s*\{{\s*{_JOIN}\s*\}}|{_JOIN}){_SPACING}"
+    rf"(?:{_NAME}{_SPACING})?)?"
+)
 MAX_GAP_CHARS = 40
 
 
@@ -226,9 +244,14 @@ def solution_answer(text):
     boxes = _boxes(text)
     parts = [_answer(boxes[-1][0])] if boxes else [None]
     for i in range(len(boxes) - 1, 0, -1):  # walk back while the boxes are joined as a list
-        gap = text[boxes[i - 1][2]:boxes[i][1]]
+        gap = text[boxes[i - 1][2] : boxes[i][1]]
         earlier = _answer(boxes[i - 1][0])
-        if parts[-1] is None or earlier is None or len(gap) > MAX_GAP_CHARS or not LIST_GAP.fullmatch(gap):
+        if (
+            parts[-1] is None
+            or earlier is None
+            or len(gap) > MAX_GAP_CHARS
+            or not LIST_GAP.fullmatch(gap)
+        ):
             break
         parts.append(earlier)
     return None if parts[0] is None else ", ".join(reversed(parts))
@@ -240,34 +263,60 @@ def format_ok(completion):
     box = _last_box(text)
     if len(BOX_RE.findall(text)) != 1 or box is None or not (box[0] or "").strip():
         return False
-    return re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.|\*)*", text[box[1]:]) is not None
+    return re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.|\*)*", text[box[1] :]) is not None
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. Normalisation and policy: plain string code, linear regexes, capped sizes.
 MAX_ANSWER_CHARS = 400  # longer answers are compared as strings only (MATH answers are short)
 
-UNICODE = {"π": r"\pi ", "√": r"\sqrt", "−": "-", "–": "-", "×": r"\times ", "·": r"\cdot ",
-           "⋅": r"\cdot ", "÷": r"\div ", "∞": r"\infty ", "≤": r"\le ", "≥": r"\ge ", "≠": r"\ne ",
-           "°": r"^\circ", "²": "^2", "³": "^3", "∪": r"\cup ", "∩": r"\cap ", "∈": r"\in ",
-           "θ": r"\theta ", "½": r"\frac{1}{2}", "⅓": r"\frac{1}{3}", "¼": r"\frac{1}{4}",
-           "¾": r"\frac{3}{4}", "⁄": "/"}
+UNICODE = {
+    "π": r"\pi ",
+    "√": r"\sqrt",
+    "−": "-",
+    "–": "-",
+    "×": r"\times ",
+    "·": r"\cdot ",
+    "⋅": r"\cdot ",
+    "÷": r"\div ",
+    "∞": r"\infty ",
+    "≤": r"\le ",
+    "≥": r"\ge ",
+    "≠": r"\ne ",
+    "°": r"^\circ",
+    "²": "^2",
+    "³": "^3",
+    "∪": r"\cup ",
+    "∩": r"\cap ",
+    "∈": r"\in ",
+    "θ": r"\theta ",
+    "½": r"\frac{1}{2}",
+    "⅓": r"\frac{1}{3}",
+    "¼": r"\frac{1}{4}",
+    "¾": r"\frac{3}{4}",
+    "⁄": "/",
+}
 TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox)\s*"
 SUBS = [  # (pattern, replacement), applied in order
     (r"\\[dt]frac(?![A-Za-z])", r"\\frac"),
     (r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])", ""),
-    (r",\s*\\!\s*", ","),                                       # 10,\!000 and 10,\! 000: thousands
-    (r"\\\\|\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]",   # keep \\, drop the rest
-     lambda m: m.group() if m.group() == "\\\\" else ""),
+    (r",\s*\\!\s*", ","),  # 10,\!000 and 10,\! 000: thousands
+    (
+        r"\\\\|\\(?:display|text)style|\\[,;:! ]|\\\$|\$|\\[()\[\]]",  # keep \\, drop the rest
+        lambda m: m.group() if m.group() == "\\\\" else "",
+    ),
     (r"\\q?quad(?![A-Za-z])|~", " "),
     (r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", ""),  # degrees are a unit
-    (r"\\%|%", ""),                                              # and so is percent
-    (TEXT_CMD + r"\{\s*(?:or|and)\s*\}|\b(?:or|and)\b", ","),    # "17 or 18" is a list of two
-    (r"\\mathrm\s*\{\s*([A-Za-z])\s*\}", r"\1"),                 # \mathrm{i}, \mathrm{e}
-    (r"\\frac\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)", r"\\frac{\1}{\2}"),  # \frac\pi2
+    (r"\\%|%", ""),  # and so is percent
+    (TEXT_CMD + r"\{\s*(?:or|and)\s*\}|\b(?:or|and)\b", ","),  # "17 or 18" is a list of two
+    (r"\\mathrm\s*\{\s*([A-Za-z])\s*\}", r"\1"),  # \mathrm{i}, \mathrm{e}
+    (
+        r"\\frac\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)\s*(\d|\{[^{}]*\}|\\[A-Za-z]+)",
+        r"\\frac{\1}{\2}",
+    ),  # \frac\pi2
     (r"\\sqrt\s*(\d)", r"\\sqrt{\1}"),
     (r"\{\{([^{}]*)\}\}", r"{\1}"),
-    (r"\{,\}", ","),                                             # 1{,}000
+    (r"\{,\}", ","),  # 1{,}000
 ]
 SUBS = [(re.compile(p), r) for p, r in SUBS]
 TEXT_UNIT = re.compile(TEXT_CMD + r"\{[A-Za-z .]*\}(?:\^\{?\d\}?)?")
@@ -284,7 +333,7 @@ def normalize(answer):
     if re.search(r"[0-9]", TEXT_UNIT.sub("", s)):  # a number is there: the words are its unit
         s = TEXT_UNIT.sub("", s)
         words = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
-        tail = s[len(words):]
+        tail = s[len(words) :]
         if words[-1:].isdigit() or words.endswith("}"):  # "5 cm", "\frac{1}{2} inches"
             if tail.startswith(" ") and all(len(w) > 1 for w in tail.split()):
                 s = words
@@ -309,7 +358,9 @@ def as_rational(s):
         return None
     m = NUMBER.fullmatch(s)
     if m and (m.group(2) or m.group(3)):
-        q = Fraction(m.group(2).replace(",", "") or "0") + Fraction(int(m.group(3) or 0), 10 ** len(m.group(3) or ""))
+        q = Fraction(m.group(2).replace(",", "") or "0") + Fraction(
+            int(m.group(3) or 0), 10 ** len(m.group(3) or "")
+        )
         return -q if m.group(1) else q
     m = FRACTION.fullmatch(s)
     if m:
@@ -328,7 +379,9 @@ def _equivalent(pred, ref):
     if compact_p == compact_r:
         return True
     if re.search(r"[0-9]_", compact_p + " " + compact_r):  # base-n numerals: sympy drops the base
-        return compact_p.replace("{", "").replace("}", "") == compact_r.replace("{", "").replace("}", "")
+        return compact_p.replace("{", "").replace("}", "") == compact_r.replace("{", "").replace(
+            "}", ""
+        )
     qp, qr = as_rational(p), as_rational(r)
     if qp is not None and qr is not None:
         return qp == qr
@@ -347,7 +400,9 @@ def count_parts(answer):
     and a number with thousands is one number ("32,349" -> 1)."""
     s = _strip_wrapping_braces(THOUSANDS.sub("0", normalize(answer)))
     if s.startswith("\\{") and s.endswith("\\}"):
-        s = s[2:-2]  # a set's own braces; "\{1\} \cup \{2\}" is caught below: its depth goes negative
+        s = s[
+            2:-2
+        ]  # a set's own braces; "\{1\} \cup \{2\}" is caught below: its depth goes negative
     depth, parts = 0, 1
     for c in s:
         if c in "([{":

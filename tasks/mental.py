@@ -78,4 +78,4 @@ def format_ok(completion):
     last = None
     for last in NUMBER_RE.finditer(text):
         pass
-    return last is not None and not re.search(r"\w", text[last.end():])
+    return last is not None and not re.search(r"\w", text[last.end() :])

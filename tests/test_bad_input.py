@@ -14,8 +14,14 @@ from plumbing import checkpoint
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 
-TINY = dict(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1)
+TINY = dict(
+    vocab_size=264,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 
 
 @pytest.fixture
@@ -30,6 +36,7 @@ def model_dir(tmp_path):
 def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the bad input was refused")
+
     monkeypatch.setattr(checkpoint, "load_policy", refuse)
 
 
@@ -83,50 +90,81 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
 
 def test_a_model_path_that_is_no_model_folder_says_what_to_give_instead(tmp_path):
     # a file, a run's out-dir (its checkpoints are inside), a folder without config.json: each refused before any load
-    run_dir, plain_dir, file = tmp_path / "out" / "demo", tmp_path / "empty", tmp_path / "model.safetensors"
+    run_dir, plain_dir, file = (
+        tmp_path / "out" / "demo",
+        tmp_path / "empty",
+        tmp_path / "model.safetensors",
+    )
     for step in ("step_000050", "step_000150"):
         (run_dir / step).mkdir(parents=True)
     plain_dir.mkdir()
     file.write_bytes(b"")
-    expected = {str(file): "is a file: give the folder that holds its config.json",
-                str(run_dir): f"is a run's folder: its checkpoints are its step_* folders, the latest {run_dir / 'step_000150'}",
-                str(plain_dir): "holds no config.json: not a Hugging Face model folder"}
+    expected = {
+        str(file): "is a file: give the folder that holds its config.json",
+        str(
+            run_dir
+        ): f"is a run's folder: its checkpoints are its step_* folders, the latest {run_dir / 'step_000150'}",
+        str(plain_dir): "holds no config.json: not a Hugging Face model folder",
+    }
     for model, reason in expected.items():
-        cfg = flags.parse_config(["--preset=demo", f"--model={model}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+        cfg = flags.parse_config(
+            ["--preset=demo", f"--model={model}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+        )
         with pytest.raises(flags.ConfigError, match=re.escape(reason)):
             flags.check_config(cfg, world_size=1)
 
 
 def test_examples_per_step_must_divide_among_ranks():
-    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
-    with pytest.raises(flags.ConfigError, match="not divisible by the 2 ranks: use a multiple of 2, e.g. 2, 4$"):
+    cfg = flags.parse_config(
+        ["--preset=demo", "--examples-per-step=3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
+    with pytest.raises(
+        flags.ConfigError, match="not divisible by the 2 ranks: use a multiple of 2, e.g. 2, 4$"
+    ):
         flags.check_config(cfg, world_size=2)
-    cfg = flags.parse_config(["--preset=demo", "--examples-per-step=1"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--preset=demo", "--examples-per-step=1"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     with pytest.raises(flags.ConfigError, match="e.g. 2$"):  # no 0 among the values it suggests
         flags.check_config(cfg, world_size=2)
 
 
-@pytest.mark.parametrize("argv,reason", [
-    (["--examples-per-step=30000"], "fewer than --examples-per-step=30000"),
-    (["--eval-examples=5000"], "distinct test problems; ask for fewer"),
-])
+@pytest.mark.parametrize(
+    "argv,reason",
+    [
+        (["--examples-per-step=30000"], "fewer than --examples-per-step=30000"),
+        (["--eval-examples=5000"], "distinct test problems; ask for fewer"),
+    ],
+)
 def test_impossible_data_arithmetic_is_refused(argv, reason, capsys, no_model_loading, tmp_path):
     code, err = run(["--preset=demo", f"--out-dir={tmp_path / 'run'}"] + argv, capsys)
     assert code != 0 and len(err) == 1 and reason in err[0], err
 
 
-def test_gsm8k_offline_says_how_to_run_the_demo(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):
+def test_gsm8k_offline_says_how_to_run_the_demo(
+    capsys, no_model_loading, tmp_path, monkeypatch, model_dir
+):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))  # no cached copy either
-    code, err = run(["--task=gsm8k", f"--model={model_dir}", f"--out-dir={tmp_path / 'run'}"], capsys)
+    code, err = run(
+        ["--task=gsm8k", f"--model={model_dir}", f"--out-dir={tmp_path / 'run'}"], capsys
+    )
     assert code != 0 and len(err) >= 1
     assert "could not load openai/gsm8k" in err[-1] and "--preset=demo" in err[-1]
 
 
 def demo_args(model_dir, out_dir):
-    return ["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=2", "--examples-per-step=2",
-            "--num-samples=2", "--max-new-tokens=4", "--eval-every=-1"]
+    return [
+        "--preset=demo",
+        f"--model={model_dir}",
+        f"--out-dir={out_dir}",
+        "--num-steps=2",
+        "--examples-per-step=2",
+        "--num-samples=2",
+        "--max-new-tokens=4",
+        "--eval-every=-1",
+    ]
 
 
 def write_checkpoint(argv, model_dir):
@@ -146,14 +184,18 @@ def test_corrupt_checkpoint_is_refused_on_resume(capsys, no_model_loading, tmp_p
     assert code != 0 and len(err) == 1 and "step_000001 is unreadable" in err[0]
 
 
-def test_checkpoint_with_other_settings_is_refused_on_resume(capsys, no_model_loading, tmp_path, model_dir):
+def test_checkpoint_with_other_settings_is_refused_on_resume(
+    capsys, no_model_loading, tmp_path, model_dir
+):
     argv = demo_args(model_dir, tmp_path / "run")
     write_checkpoint(argv, model_dir)
     code, err = run(argv + ["--resume", "--lr=0.1"], capsys)
     assert code != 0 and len(err) == 1 and "different settings: lr (0.0003 -> 0.1)" in err[0]
 
 
-def test_an_existing_run_is_not_overwritten_without_resume(capsys, no_model_loading, tmp_path, model_dir):
+def test_an_existing_run_is_not_overwritten_without_resume(
+    capsys, no_model_loading, tmp_path, model_dir
+):
     argv = demo_args(model_dir, tmp_path / "run")
     write_checkpoint(argv, model_dir)
     code, err = run(argv, capsys)
@@ -161,34 +203,67 @@ def test_an_existing_run_is_not_overwritten_without_resume(capsys, no_model_load
 
 
 def test_flags_take_their_value_after_an_equals_sign_or_a_space():
-    cfg = flags.parse_config(["--lr", "1e-3", "--eval-every", "-1", "--resume", "--num-samples=8", "--wandb", "proj"],
-                             chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
-    assert (cfg.lr, cfg.eval_every, cfg.resume, cfg.num_samples, cfg.wandb) == (1e-3, -1, True, 8, "proj")
-    assert flags.parse_config(["--resume", "false"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS).resume is False
+    cfg = flags.parse_config(
+        ["--lr", "1e-3", "--eval-every", "-1", "--resume", "--num-samples=8", "--wandb", "proj"],
+        chat_rl.HYPERPARAMETERS,
+        chat_rl.PRESETS,
+    )
+    assert (cfg.lr, cfg.eval_every, cfg.resume, cfg.num_samples, cfg.wandb) == (
+        1e-3,
+        -1,
+        True,
+        8,
+        "proj",
+    )
+    assert (
+        flags.parse_config(["--resume", "false"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS).resume
+        is False
+    )
 
 
 def test_a_preset_changes_the_defaults_and_flags_still_win():
-    cfg = flags.parse_config(["--preset", "demo", "--lr=1e-3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--preset", "demo", "--lr=1e-3"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     defaults = {name: default for name, (default, _) in chat_rl.HYPERPARAMETERS.items()}
     expected = {**defaults, **chat_rl.PRESETS["demo"], "lr": 1e-3, "preset": "demo"}
-    assert cfg.lr == 1e-3 and cfg.task == "arith" and cfg.num_samples == 16 and vars(cfg) == expected
+    assert (
+        cfg.lr == 1e-3 and cfg.task == "arith" and cfg.num_samples == 16 and vars(cfg) == expected
+    )
 
 
 def test_every_preset_names_only_real_flags_with_values_of_their_type():
     for preset, values in chat_rl.PRESETS.items():
         for name, value in values.items():
             assert name in chat_rl.HYPERPARAMETERS, f"--preset={preset} sets unknown {name}"
-            assert type(value) is type(chat_rl.HYPERPARAMETERS[name][0]), f"--preset={preset}: {name}={value!r}"
+            assert type(value) is type(chat_rl.HYPERPARAMETERS[name][0]), (
+                f"--preset={preset}: {name}={value!r}"
+            )
 
 
 def test_a_preset_given_another_model_says_so_in_one_line(capsys, tmp_path):
-    cfg = flags.parse_config(["--preset=demo", "--model=some/model"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--preset=demo", "--model=some/model"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     note = flags.preset_note(cfg, chat_rl.PRESETS)
     assert "--preset=demo was chosen for --model=demo_model" in note and "--lr=0.0003" in note
     assert "\n" not in note
-    own = flags.parse_config(["--preset=demo", "--model=m/m", "--lr=1e-5", "--max-new-tokens=96", "--eval-examples=9",
-                              "--eval-samples=2", "--lora-lr=1e-4"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
-    assert flags.preset_note(own, chat_rl.PRESETS) == ""  # every tuned value given: nothing to warn about
+    own = flags.parse_config(
+        [
+            "--preset=demo",
+            "--model=m/m",
+            "--lr=1e-5",
+            "--max-new-tokens=96",
+            "--eval-examples=9",
+            "--eval-samples=2",
+            "--lora-lr=1e-4",
+        ],
+        chat_rl.HYPERPARAMETERS,
+        chat_rl.PRESETS,
+    )
+    assert (
+        flags.preset_note(own, chat_rl.PRESETS) == ""
+    )  # every tuned value given: nothing to warn about
     plain = flags.parse_config(["--preset=demo"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     assert flags.preset_note(plain, chat_rl.PRESETS) == ""
 
@@ -210,18 +285,35 @@ def test_help_opens_with_one_whole_sentence(capsys):
         chat_rl.main(["--help"])
     first = capsys.readouterr().out.splitlines()[0]
     # the docstring's first line is its whole first paragraph: nothing of the sentence is left for line 2
-    assert first.endswith(".") and first.count(". ") == 0 and chat_rl.__doc__.strip().split("\n")[1] == "", first
+    assert (
+        first.endswith(".")
+        and first.count(". ") == 0
+        and chat_rl.__doc__.strip().split("\n")[1] == ""
+    ), first
 
 
-def test_a_missing_folder_under_a_folder_here_is_not_taken_for_a_hub_id(capsys, no_model_loading, tmp_path, monkeypatch):
+def test_a_missing_folder_under_a_folder_here_is_not_taken_for_a_hub_id(
+    capsys, no_model_loading, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_models").mkdir()  # so my_models/qwen is a path with a typo, not a hub id to download
+    (
+        tmp_path / "my_models"
+    ).mkdir()  # so my_models/qwen is a path with a typo, not a hub id to download
     code, err = run(["--model=my_models/qwen", f"--out-dir={tmp_path / 'run'}"], capsys)
-    assert code == 2 and len(err) == 1 and "--model='my_models/qwen': no such folder" in err[0] and "Org/Name" in err[0], err
+    assert (
+        code == 2
+        and len(err) == 1
+        and "--model='my_models/qwen': no such folder" in err[0]
+        and "Org/Name" in err[0]
+    ), err
 
 
-def test_the_model_is_checked_before_the_out_dir(capsys, no_model_loading, tmp_path, monkeypatch, model_dir):
-    out_dir = write_checkpoint(demo_args(model_dir, tmp_path / "run"), model_dir)  # a run a new one would overwrite
+def test_the_model_is_checked_before_the_out_dir(
+    capsys, no_model_loading, tmp_path, monkeypatch, model_dir
+):
+    out_dir = write_checkpoint(
+        demo_args(model_dir, tmp_path / "run"), model_dir
+    )  # a run a new one would overwrite
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_models").mkdir()
     code, err = run(["--model=my_models/qwen", f"--out-dir={out_dir}"], capsys)
@@ -230,7 +322,11 @@ def test_the_model_is_checked_before_the_out_dir(capsys, no_model_loading, tmp_p
 
 def test_an_org_slash_name_with_no_folder_org_here_is_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = flags.parse_config(["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--model=Qwen/Qwen2.5-0.5B-Instruct", "--device-type=cpu"],
+        chat_rl.HYPERPARAMETERS,
+        chat_rl.PRESETS,
+    )
     flags.check_config(cfg, world_size=1)  # not refused: it is downloaded when the model loads
 
 
@@ -243,24 +339,52 @@ def test_the_refusal_to_overwrite_names_both_ways_on(capsys, no_model_loading, t
     assert err[0].endswith(f"pass --out-dir={tmp_path / 'run-3'}"), err
 
 
-def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(capsys, no_model_loading, tmp_path, model_dir):
+def test_a_run_cannot_be_lengthened_and_the_refusal_says_how_to_train_on(
+    capsys, no_model_loading, tmp_path, model_dir
+):
     argv = demo_args(model_dir, tmp_path / "run")  # --num-steps=2
     out_dir = write_checkpoint(argv, model_dir)
     code, err = run(argv + ["--resume", "--num-steps=4"], capsys)
     assert code == 2 and len(err) == 1 and "num_steps (2 -> 4)" in err[0], err
-    assert err[0].endswith(f"start a new run with --model={out_dir}/step_000001 and a new --out-dir"), err
+    assert err[0].endswith(
+        f"start a new run with --model={out_dir}/step_000001 and a new --out-dir"
+    ), err
 
 
-def test_mps_on_a_machine_without_it_is_refused_in_one_line(capsys, no_model_loading, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # so a Mac with MPS sees the same
+def test_mps_on_a_machine_without_it_is_refused_in_one_line(
+    capsys, no_model_loading, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        torch.backends.mps, "is_available", lambda: False
+    )  # so a Mac with MPS sees the same
     code, err = run(["--device-type=mps", f"--out-dir={tmp_path / 'run'}"], capsys)
-    assert code == 2 and err == ["chat_rl: error: --device-type=mps but MPS is not available on this machine"], err
+    assert code == 2 and err == [
+        "chat_rl: error: --device-type=mps but MPS is not available on this machine"
+    ], err
 
 
 def test_under_torchrun_a_bad_flag_is_said_once_not_once_per_rank(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                             "chat_rl", "--preset=demo", "--device-type=cpu", "--lr=0", f"--out-dir={tmp_path / 'run'}"],
-                            cwd=repo, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "chat_rl",
+            "--preset=demo",
+            "--device-type=cpu",
+            "--lr=0",
+            f"--out-dir={tmp_path / 'run'}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = [line for line in result.stderr.splitlines() if "chat_rl: error:" in line]
-    assert result.returncode != 0 and said == ["chat_rl: error: --lr must be above 0, got 0.0"], result.stderr[-2000:]
+    assert result.returncode != 0 and said == ["chat_rl: error: --lr must be above 0, got 0.0"], (
+        result.stderr[-2000:]
+    )

@@ -53,8 +53,10 @@ def assert_bf16_close(grads, expected):
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
         assert relative_error(grad, expected[name]) <= 0.1, name
-    a, b = (torch.cat([g[name].detach().double().flatten() for name in expected])
-            for g in (grads, expected))
+    a, b = (
+        torch.cat([g[name].detach().double().flatten() for name in expected])
+        for g in (grads, expected)
+    )
     cosine = float(a @ b / (a.norm() * b.norm()))
     length = float((a.norm() - b.norm()).abs() / b.norm())
     assert cosine >= 0.999 and length <= 0.02, (cosine, length)
@@ -68,8 +70,11 @@ def any_loss_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab
 
 # each way the loss takes the log-probs: chat_rl's (told the loss's gradient), any loss's, and the
 # plain one
-LOGPROBS = {"fast, told the loss": fast_logprobs, "fast, any loss": any_loss_logprobs,
-            "plain": chat_rl.plain_logprobs}
+LOGPROBS = {
+    "fast, told the loss": fast_logprobs,
+    "fast, any loss": any_loss_logprobs,
+    "plain": chat_rl.plain_logprobs,
+}
 
 
 def record_rope_dtypes(model):
@@ -83,8 +88,13 @@ def record_rope_dtypes(model):
 
 # ---- --fsdp in bf16 on two ranks -----------------------------------------------------------------
 def sharded_model():
-    return fsdp.prepare(fast_tests.model_for(FAMILY), torch.device("cpu"), fsdp=True,
-                        activation_checkpointing=False, dtype=BF16)
+    return fsdp.prepare(
+        fast_tests.model_for(FAMILY),
+        torch.device("cpu"),
+        fsdp=True,
+        activation_checkpointing=False,
+        dtype=BF16,
+    )
 
 
 def _fsdp_worker(rank, world, init_file, out_dir):
@@ -97,9 +107,19 @@ def _fsdp_worker(rank, world, init_file, out_dir):
         model = sharded_model()
         ropes = record_rope_dtypes(model)
         # 3 passes on rank 0, 1 on rank 1: rank 1 runs 2 idle ones (fsdp.match_passes)
-        chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 4,
-                                         "all_tokens", "cpu", autocast=bf16_autocast(),
-                                         temperature=T, logprobs=logprobs)
+        chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            advantages,
+            NUM_SAMPLES,
+            4,
+            "all_tokens",
+            "cpu",
+            autocast=bf16_autocast(),
+            temperature=T,
+            logprobs=logprobs,
+        )
         out[name] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
         out[name, "rope"] = set(ropes)
     # the supervised NLL (GPT.forward with targets, ChunkedNLL), each rank its own rows
@@ -116,8 +136,13 @@ def _fsdp_worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def fsdp_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_bf16")
-    mp.start_processes(_fsdp_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _fsdp_worker,
+        args=(2, str(tmp / "init"), str(tmp)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 
@@ -132,9 +157,19 @@ def test_fsdp_in_bf16_on_two_ranks_gives_one_process_gradient_in_bf16(fsdp_ranks
     # replicated CUDA run)
     reference = fast_tests.model_for(FAMILY)
     sequences, masks, advantages = both_ranks_rollouts()
-    chat_rl.policy_gradient_backward(reference, sequences, masks, advantages, NUM_SAMPLES, 4,
-                                     "all_tokens", "cpu", autocast=bf16_autocast(), temperature=T,
-                                     logprobs=chat_rl.plain_logprobs)
+    chat_rl.policy_gradient_backward(
+        reference,
+        sequences,
+        masks,
+        advantages,
+        NUM_SAMPLES,
+        4,
+        "all_tokens",
+        "cpu",
+        autocast=bf16_autocast(),
+        temperature=T,
+        logprobs=chat_rl.plain_logprobs,
+    )
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for rank in range(2):
         # bf16 rotations: CUDA's view_as_complex refuses them
@@ -181,8 +216,9 @@ def test_the_chunked_nll_backward_takes_bf16_hidden_states_and_head(head_trained
 
 # ---- LoRA on a bf16 base -------------------------------------------------------------------------
 def lora_config(path, rank=2):
-    return SimpleNamespace(model=str(path), lora_rank=rank, lora_alpha=8.0,
-                           lora_targets="all-linear", seed=0)
+    return SimpleNamespace(
+        model=str(path), lora_rank=rank, lora_alpha=8.0, lora_targets="all-linear", seed=0
+    )
 
 
 def base_folder(tmp_path):
@@ -205,9 +241,14 @@ class OnGPU(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, counted=True):
-        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
-                                                dtype=data.dtype, device=torch.device("meta"),
-                                                requires_grad=data.requires_grad)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            dtype=data.dtype,
+            device=torch.device("meta"),
+            requires_grad=data.requires_grad,
+        )
         t.data_on_cpu = data
         if counted:
             size = data.numel() * data.element_size()
@@ -263,8 +304,9 @@ def test_a_lora_checkpoint_moves_the_weights_to_the_cpu_one_tensor_at_a_time(tmp
     largest = max(p.numel() for p in model.parameters()) * 4  # one tensor in fp32
     whole = sum(p.numel() for name, p in model.named_parameters() if ".lora" not in name) * 4
     peak = OnGPU.peak - before
-    assert peak <= 2 * largest, (f"{peak} bytes on the GPU at once; one tensor in fp32 is "
-                                 f"{largest}, the whole model {whole}")
+    assert peak <= 2 * largest, (
+        f"{peak} bytes on the GPU at once; one tensor in fp32 is {largest}, the whole model {whole}"
+    )
     # on the CPU, in fp32, the values the CPU's merge gives
     assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in merged.values())
     assert merged.keys() == expected.keys()
@@ -293,15 +335,17 @@ def test_lora_on_a_bf16_base_gives_the_fp32_base_gradients_on_every_loss_path(tm
     sequences, masks, advantages = fast_tests.rollouts(seed=1)
     args = (sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu")
     reference = lora_model(path, torch.float32)
-    chat_rl.policy_gradient_backward(reference, *args, temperature=T,
-                                     logprobs=chat_rl.plain_logprobs)
+    chat_rl.policy_gradient_backward(
+        reference, *args, temperature=T, logprobs=chat_rl.plain_logprobs
+    )
     expected = adapter_grads(reference)
     for logprobs in LOGPROBS.values():
         model = lora_model(path, BF16)
         adapter = model.model.layers[0].mlp.gate_up_proj.lora.lora_A["up_proj"]
         assert model.lm_head.weight.dtype == BF16 and adapter.dtype == torch.float32
-        chat_rl.policy_gradient_backward(model, *args, autocast=bf16_autocast(), temperature=T,
-                                         logprobs=logprobs)
+        chat_rl.policy_gradient_backward(
+            model, *args, autocast=bf16_autocast(), temperature=T, logprobs=logprobs
+        )
         grads = adapter_grads(model)
         assert all(grad.dtype == torch.float32 for grad in grads.values())
         assert_bf16_close(grads, expected)
@@ -366,6 +410,7 @@ def test_decode_attention_keeps_its_scores_fp32_under_bf16_autocast():
     P, S, Hkv, g, T, D = 2, 3, 2, 2, 6, 16
     gen = torch.Generator().manual_seed(0)
     shared = 8 * torch.randn(D, generator=gen)
+
     def draw(*shape, common=0):
         return (torch.randn(*shape, generator=gen) + common).to(BF16)
 
@@ -386,7 +431,7 @@ def test_decode_attention_keeps_its_scores_fp32_under_bf16_autocast():
         values = torch.cat([prompt_v[p, :, pad:], v[row]], dim=1).double()
         # (H, n, D): each kv head for its g query heads
         keys, values = keys.repeat_interleave(g, dim=0), values.repeat_interleave(g, dim=0)
-        probs = (q[row].double() @ keys.transpose(1, 2) / D ** 0.5).softmax(dim=-1)  # (H, 1, n)
+        probs = (q[row].double() @ keys.transpose(1, 2) / D**0.5).softmax(dim=-1)  # (H, 1, n)
         errors.append(relative_error(y[row], probs @ values))
     # the output's and the probabilities' bf16 rounding: 0.26-0.45% seen (with bf16 scores,
     # 0.9-1.6%)
@@ -456,10 +501,14 @@ def test_each_train_row_reports_its_own_steps_peak_memory(monkeypatch):
     assert (first, metrics.peak_memory_gb(cuda)) == (5.0, 2.0)
 
 
-@pytest.mark.parametrize("device_type, fsdp", [("cuda", False), ("cpu", False), ("cuda", True)],
-                         ids=["torchrun, GPUs", "torchrun, CPUs", "one GPU, --fsdp"])
-def test_the_process_group_waits_out_a_large_checkpoint_and_knows_its_gpu(monkeypatch, device_type,
-                                                                           fsdp):
+@pytest.mark.parametrize(
+    "device_type, fsdp",
+    [("cuda", False), ("cpu", False), ("cuda", True)],
+    ids=["torchrun, GPUs", "torchrun, CPUs", "one GPU, --fsdp"],
+)
+def test_the_process_group_waits_out_a_large_checkpoint_and_knows_its_gpu(
+    monkeypatch, device_type, fsdp
+):
     # while rank 0 writes a checkpoint the others wait in a collective: NCCL's default 10 minutes is
     # too short for a 7B run's 91 GB on a slow disk; and an NCCL group should know its rank's GPU
     # rather than guess it

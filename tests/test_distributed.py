@@ -17,8 +17,14 @@ from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 
 NUM_SAMPLES, DEVICE_BATCH_SIZE = 2, 3
-CONFIG = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2)
+CONFIG = dict(
+    vocab_size=264,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def groups_for(rank, step):
@@ -31,7 +37,9 @@ def groups_for(rank, step):
         completion_len = int(torch.randint(1, 7, (1,), generator=g))
         seqs.append(torch.randint(0, 256, (prompt_len + completion_len,), generator=g).tolist())
         masks.append([0] * prompt_len + [1] * completion_len)
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0]) if rank == 0 else torch.tensor([1.0, 0.0, 1.0, 1.0])
+    rewards = (
+        torch.tensor([1.0, 0.0, 0.0, 1.0]) if rank == 0 else torch.tensor([1.0, 0.0, 1.0, 1.0])
+    )
     return seqs, masks, chat_rl.compute_advantages(rewards, NUM_SAMPLES)
 
 
@@ -47,23 +55,43 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
     for step in range(3):
         seqs, masks, adv = groups_for(rank, step)
         if rank == dead_rank:
-            adv = torch.zeros_like(adv)  # nothing to learn on this rank: it still joins every collective
+            adv = torch.zeros_like(
+                adv
+            )  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
-        loss, tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
+        loss, tokens = chat_rl.policy_gradient_backward(
+            model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu"
+        )
         sync_gradients(model)
         if step == 0:
-            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"grad{rank}.pt"))
+            torch.save(
+                {n: p.grad.clone() for n, p in model.named_parameters()},
+                os.path.join(out_dir, f"grad{rank}.pt"),
+            )
             torch.save(tokens, os.path.join(out_dir, f"tokens{rank}.pt"))
-        chat_rl.optimizer_step(model, opt, 1e-2, 0.0, float(loss), tokens)  # as train() steps: it may skip the update
-    torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(out_dir, f"params{rank}.pt"))
+        chat_rl.optimizer_step(
+            model, opt, 1e-2, 0.0, float(loss), tokens
+        )  # as train() steps: it may skip the update
+    torch.save(
+        torch.cat([p.detach().flatten() for p in model.parameters()]),
+        os.path.join(out_dir, f"params{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
 def run_two_ranks(tmp_path, dead_rank=-1):
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), dead_rank), nprocs=2, join=True,
-                       start_method="spawn")
-    return ([torch.load(tmp_path / f"grad{r}.pt") for r in range(2)], [torch.load(tmp_path / f"params{r}.pt") for r in range(2)],
-            [torch.load(tmp_path / f"tokens{r}.pt") for r in range(2)])
+    mp.start_processes(
+        _worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path), dead_rank),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    return (
+        [torch.load(tmp_path / f"grad{r}.pt") for r in range(2)],
+        [torch.load(tmp_path / f"params{r}.pt") for r in range(2)],
+        [torch.load(tmp_path / f"tokens{r}.pt") for r in range(2)],
+    )
 
 
 def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
@@ -73,8 +101,13 @@ def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
     seqs = union[0][0] + union[1][0]
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
-    _, union_tokens = chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu")
-    assert tokens == [union_tokens, union_tokens]  # every rank reports the step's sampled tokens, all ranks together
+    _, union_tokens = chat_rl.policy_gradient_backward(
+        model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu"
+    )
+    assert tokens == [
+        union_tokens,
+        union_tokens,
+    ]  # every rank reports the step's sampled tokens, all ranks together
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name
@@ -88,7 +121,9 @@ def test_parameters_stay_identical_on_both_ranks(tmp_path):
 def test_a_rank_with_no_live_groups_does_not_hang_and_stays_in_sync(tmp_path):
     _, params, _ = run_two_ranks(tmp_path, dead_rank=1)
     assert torch.equal(params[0], params[1])
-    assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in model_for_test().parameters()]))
+    assert not torch.equal(
+        params[0], torch.cat([p.detach().flatten() for p in model_for_test().parameters()])
+    )
 
 
 # chat_rl under torchrun, recording on each rank the problems of every training rollout and the weights
@@ -125,9 +160,24 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     # the demo model: its groups disagree, so both steps update and the ranks have weights to agree on
     out, runner = tmp_path / "run", tmp_path / "runner.py"
     runner.write_text(RUNNER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(runner),
-           "--preset=demo", f"--out-dir={out}", "--device-type=cpu", "--num-steps=2", "--examples-per-step=4",
-           "--num-samples=4", "--max-new-tokens=40", "--eval-every=2", "--eval-examples=4", "--eval-samples=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(runner),
+        "--preset=demo",
+        f"--out-dir={out}",
+        "--device-type=cpu",
+        "--num-steps=2",
+        "--examples-per-step=4",
+        "--num-samples=4",
+        "--max-new-tokens=40",
+        "--eval-every=2",
+        "--eval-examples=4",
+        "--eval-samples=2",
+    ]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo, "DUMP_DIR": str(tmp_path)}
     result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
@@ -136,7 +186,12 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     train = [r for r in rows if "split" not in r]
     assert [r["step"] for r in train] == [0, 1] and all(r["kept_tokens"] > 0 for r in train)
     for r in train:  # means over both ranks' completions
-        assert 0 <= r["reward"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1 and 0 < r["seq_len"] <= 40
+        assert (
+            0 <= r["reward"] <= 1
+            and 0 <= r["reward_format"] <= 1
+            and 0 <= r["truncated"] <= 1
+            and 0 < r["seq_len"] <= 40
+        )
     assert [r["step"] for r in rows if r.get("split") == "eval"] == [0, 2]
     # each rank its own half of each step's problems
     problems = [json.load(open(tmp_path / f"problems{r}.json")) for r in range(2)]
@@ -147,20 +202,43 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
     # gradients summed over ranks: one update, the same on both, away from the start
     weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
     start = load_file(os.path.join(repo, "demo_model", "model.safetensors"))
-    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert weights[0].keys() == weights[1].keys() and all(
+        torch.equal(weights[0][k], weights[1][k]) for k in weights[0]
+    )
     assert any(not torch.equal(weights[0][k], start[k]) for k in start)
     # and the same run as one process: each problem samples from its own stream, so the rollouts are the same; the
     # gradient sums in another order, and the numbers agree to fp32 rounding
-    flags = cmd[cmd.index("--preset=demo"):]
-    assert chat_rl.main([f if not f.startswith("--out-dir=") else f"--out-dir={tmp_path / 'one'}" for f in flags]) == 0
+    flags = cmd[cmd.index("--preset=demo") :]
+    assert (
+        chat_rl.main(
+            [
+                f if not f.startswith("--out-dir=") else f"--out-dir={tmp_path / 'one'}"
+                for f in flags
+            ]
+        )
+        == 0
+    )
     alone = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
     for two, one in zip(rows, alone):
         for key in one:
-            if key in ("rollout_tokens_per_s", "step_time_s", "eval_time_s", "state_mib", "peak_mem_gb"):
+            if key in (
+                "rollout_tokens_per_s",
+                "step_time_s",
+                "eval_time_s",
+                "state_mib",
+                "peak_mem_gb",
+            ):
                 continue
-            expected = pytest.approx(two[key], rel=1e-4, abs=1e-6) if isinstance(two[key], (int, float)) else two[key]
+            expected = (
+                pytest.approx(two[key], rel=1e-4, abs=1e-6)
+                if isinstance(two[key], (int, float))
+                else two[key]
+            )
             assert one[key] == expected, (one["step"], key)
-    one, two = (load_file(os.path.join(folder, "step_000002", "model.safetensors")) for folder in (tmp_path / "one", out))
+    one, two = (
+        load_file(os.path.join(folder, "step_000002", "model.safetensors"))
+        for folder in (tmp_path / "one", out)
+    )
     # (AdamW's first steps move a weight by about lr whatever its gradient's size, so a gradient near 0 that rounds
     # to the other sign moves it the other way: a few weights apart by a share of one step, the rest alike)
     assert one.keys() == two.keys()
@@ -169,18 +247,44 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
         assert apart.max() <= 0.05 * moved + 1e-7 and (apart > 1e-6).float().mean() < 1e-3, k
 
 
-def test_eval_only_writes_one_eval_row_and_no_checkpoint_and_two_ranks_give_one_process_figures(tmp_path):
+def test_eval_only_writes_one_eval_row_and_no_checkpoint_and_two_ranks_give_one_process_figures(
+    tmp_path,
+):
     # each held-out problem samples from its own stream (its index in the eval set), so splitting the problems
     # over ranks changes no figure beyond fp32 summation order (the figures are rounded to 4 digits)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = ["--preset=demo", "--device-type=cpu", "--eval-only", "--eval-examples=12", "--eval-samples=4"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "chat_rl", *flags,
-           f"--out-dir={tmp_path / 'two'}"]
-    result = subprocess.run(cmd, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=240)
+    flags = [
+        "--preset=demo",
+        "--device-type=cpu",
+        "--eval-only",
+        "--eval-examples=12",
+        "--eval-samples=4",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "chat_rl",
+        *flags,
+        f"--out-dir={tmp_path / 'two'}",
+    ]
+    result = subprocess.run(
+        cmd,
+        cwd=repo,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert chat_rl.main(flags + [f"--out-dir={tmp_path / 'one'}"]) == 0
-    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("one", "two")}
+    rows = {
+        name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        for name in ("one", "two")
+    }
     for row in rows["one"] + rows["two"]:
         assert row.pop("eval_time_s") > 0  # its wall time, the one figure that may differ
     assert [r["split"] for r in rows["one"]] == ["eval"] and rows["one"] == rows["two"]

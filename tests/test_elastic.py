@@ -32,15 +32,32 @@ def torchrun(tmp_path, out_dir, kill_after, flags):
     runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
     # the demo model: its groups disagree, so every step trains and the weights have somewhere to go
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc_per_node=2",
-           str(runner), "--preset=demo", f"--out-dir={out_dir}", "--device-type=cpu", "--num-steps=6", "--save-every=2",
-           "--eval-every=-1", "--examples-per-step=4", "--num-samples=4", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--max-restarts=1",
+        "--nproc_per_node=2",
+        str(runner),
+        "--preset=demo",
+        f"--out-dir={out_dir}",
+        "--device-type=cpu",
+        "--num-steps=6",
+        "--save-every=2",
+        "--eval-every=-1",
+        "--examples-per-step=4",
+        "--num-samples=4",
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "KILL_AFTER": str(kill_after)}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("flags", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
-def test_a_group_restarted_after_a_dead_rank_finishes_with_the_uninterrupted_weights(tmp_path, flags):
+def test_a_group_restarted_after_a_dead_rank_finishes_with_the_uninterrupted_weights(
+    tmp_path, flags
+):
     whole = torchrun(tmp_path, tmp_path / "whole", kill_after=-1, flags=flags)
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = torchrun(tmp_path, tmp_path / "killed", kill_after=2, flags=flags)

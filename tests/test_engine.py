@@ -19,8 +19,14 @@ class NoStopTokenizer(ByteTokenizer):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2)
+    config = GPTConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return GPT(config).init_weights(3).eval()
 
 
@@ -35,7 +41,10 @@ def wide_model(model):
         for name, p in wide.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
     tok = ByteTokenizer()
-    same_last_token = [reference_greedy(wide, p, 4, tok.stop_tokens, tok.vocab_size)[len(p):] for p in ([256, 50, 33], [256, 72, 33])]
+    same_last_token = [
+        reference_greedy(wide, p, 4, tok.stop_tokens, tok.vocab_size)[len(p) :]
+        for p in ([256, 50, 33], [256, 72, 33])
+    ]
     assert same_last_token[0] != same_last_token[1]
     return wide
 
@@ -58,7 +67,9 @@ def reference_greedy(model, prompt, max_new_tokens, stop_tokens, vocab):
 
 def test_greedy_output_equals_no_cache_reference(wide_model):
     tok = ByteTokenizer()
-    seqs, masks = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=1, max_new_tokens=24, temperature=0.0)
+    seqs, masks = Engine(wide_model, tok).generate_batch(
+        PROMPTS, num_samples=1, max_new_tokens=24, temperature=0.0
+    )
     for prompt, seq, mask in zip(PROMPTS, seqs, masks):
         assert seq == reference_greedy(wide_model, prompt, 24, tok.stop_tokens, tok.vocab_size)
         assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
@@ -68,12 +79,16 @@ def test_batching_prompts_gives_the_same_greedy_output_as_one_at_a_time(wide_mod
     engine = Engine(wide_model, ByteTokenizer())
     batched, _ = engine.generate_batch(PROMPTS, num_samples=2, max_new_tokens=20, temperature=0.0)
     for i, prompt in enumerate(PROMPTS):
-        alone, _ = engine.generate_batch([prompt], num_samples=1, max_new_tokens=20, temperature=0.0)
+        alone, _ = engine.generate_batch(
+            [prompt], num_samples=1, max_new_tokens=20, temperature=0.0
+        )
         assert batched[2 * i] == alone[0] and batched[2 * i + 1] == alone[0]
 
 
 def test_samples_of_one_prompt_differ(model):
-    seqs, _ = Engine(model, ByteTokenizer()).generate_batch([PROMPTS[0]], num_samples=8, max_new_tokens=16, temperature=1.0, seed=1)
+    seqs, _ = Engine(model, ByteTokenizer()).generate_batch(
+        [PROMPTS[0]], num_samples=8, max_new_tokens=16, temperature=1.0, seed=1
+    )
     assert len({tuple(s) for s in seqs}) == 8
 
 
@@ -88,35 +103,48 @@ def test_same_seed_same_samples_other_seed_other_samples(model):
 def test_results_are_prompt_major_with_mask_1_on_the_sampled_tokens(wide_model):
     # rows 3i .. 3i+2 are prompt i's samples: the prompt (mask 0), then the tokens sampled after it (mask 1)
     tok = ByteTokenizer()
-    seqs, masks = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=3, max_new_tokens=4, temperature=1.0, seed=3)
+    seqs, masks = Engine(wide_model, tok).generate_batch(
+        PROMPTS, num_samples=3, max_new_tokens=4, temperature=1.0, seed=3
+    )
     assert len(seqs) == len(masks) == 3 * len(PROMPTS)
     for i, prompt in enumerate(PROMPTS):
-        for seq, mask in zip(seqs[3 * i:3 * i + 3], masks[3 * i:3 * i + 3]):
-            assert seq[:len(prompt)] == prompt and len(seq) - len(prompt) <= 4
+        for seq, mask in zip(seqs[3 * i : 3 * i + 3], masks[3 * i : 3 * i + 3]):
+            assert seq[: len(prompt)] == prompt and len(seq) - len(prompt) <= 4
             assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
     # and the tokens after prompt i were sampled from prompt i's distribution: at top-k 1 every row of a
     # group is its prompt's greedy continuation (the prompts' continuations all differ)
-    top1, _ = Engine(wide_model, tok).generate_batch(PROMPTS, num_samples=3, max_new_tokens=6, temperature=1.0, top_k=1, seed=3)
-    greedy = [reference_greedy(wide_model, prompt, 6, tok.stop_tokens, tok.vocab_size) for prompt in PROMPTS]
-    assert len({tuple(g[len(p):]) for g, p in zip(greedy, PROMPTS)}) == len(PROMPTS)
+    top1, _ = Engine(wide_model, tok).generate_batch(
+        PROMPTS, num_samples=3, max_new_tokens=6, temperature=1.0, top_k=1, seed=3
+    )
+    greedy = [
+        reference_greedy(wide_model, prompt, 6, tok.stop_tokens, tok.vocab_size)
+        for prompt in PROMPTS
+    ]
+    assert len({tuple(g[len(p) :]) for g, p in zip(greedy, PROMPTS)}) == len(PROMPTS)
     assert top1 == [g for g in greedy for _ in range(3)]
 
 
 def test_without_stop_tokens_every_row_gets_exactly_max_new_tokens(model):
-    seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=2, max_new_tokens=9, temperature=1.0)
+    seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(
+        PROMPTS, num_samples=2, max_new_tokens=9, temperature=1.0
+    )
     assert [sum(m) for m in masks] == [9] * 6
 
 
 def test_finished_rows_do_not_change_the_other_rows(model):
     # Make a frequent token the stop token: rows that sample it finish early. Every row must equal
     # the same row sampled with no stop token at all, cut at its first stop token.
-    free, _ = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2)
+    free, _ = Engine(model, NoStopTokenizer()).generate_batch(
+        PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2
+    )
     stopper = frequent_stop_tokenizer(model)
-    stopped, _ = Engine(model, stopper).generate_batch(PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2)
+    stopped, _ = Engine(model, stopper).generate_batch(
+        PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2
+    )
     finished_early = 0
     prompt_lens = [len(p) for p in PROMPTS for _ in range(4)]
     for f, s, n in zip(free, stopped, prompt_lens):
-        assert f[:len(s)] == s
+        assert f[: len(s)] == s
         assert not set(s[n:]) & stopper.stop_tokens
         if len(s) < len(f):
             finished_early += 1
@@ -134,14 +162,20 @@ def test_generate_batch_returns_generates_sequences_and_masks(model):
 def test_top_k_one_is_greedy(model):
     engine = Engine(model, ByteTokenizer())
     greedy, _ = engine.generate_batch(PROMPTS, num_samples=1, max_new_tokens=10, temperature=0.0)
-    top1, _ = engine.generate_batch(PROMPTS, num_samples=1, max_new_tokens=10, temperature=1.0, top_k=1, seed=9)
+    top1, _ = engine.generate_batch(
+        PROMPTS, num_samples=1, max_new_tokens=10, temperature=1.0, top_k=1, seed=9
+    )
     assert greedy == top1
 
 
 def frequent_stop_tokenizer(model):
     """A tokenizer whose stop token is the one the model samples most at temperature 1.5: rows stop early, at different positions."""
-    free, _ = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2)
-    generated = [t for s, p in zip(free, [p for p in PROMPTS for _ in range(4)]) for t in s[len(p):]]
+    free, _ = Engine(model, NoStopTokenizer()).generate_batch(
+        PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2
+    )
+    generated = [
+        t for s, p in zip(free, [p for p in PROMPTS for _ in range(4)]) for t in s[len(p) :]
+    ]
     stopper = NoStopTokenizer()
     stopper.stop_tokens = {max(set(generated), key=generated.count)}
     return stopper
@@ -155,8 +189,12 @@ def test_compacting_the_batch_at_every_position_changes_no_row(model):
     eager, eager_masks = Engine(model, stopper, compact_at=0.0).generate_batch(PROMPTS, **kw)
     never, never_masks = Engine(model, stopper, compact_at=None).generate_batch(PROMPTS, **kw)
     assert eager == never and eager_masks == never_masks
-    stopped_at = {sum(m) for m in eager_masks if sum(m) < 30}  # include_stop: a stopped row is shorter than 30 + 1
-    assert len(stopped_at) >= 3, stopped_at  # rows did stop, at different positions: there was compacting to do
+    stopped_at = {
+        sum(m) for m in eager_masks if sum(m) < 30
+    }  # include_stop: a stopped row is shorter than 30 + 1
+    assert len(stopped_at) >= 3, (
+        stopped_at
+    )  # rows did stop, at different positions: there was compacting to do
 
 
 def test_compaction_moves_only_finished_front_rows_and_keeps_every_live_row():
@@ -169,34 +207,52 @@ def test_compaction_moves_only_finished_front_rows_and_keeps_every_live_row():
             if n_live in (0, n):
                 continue
             holes, fillers, order = compaction_moves(live, n_live)
-            assert sorted(order.tolist()) == live.nonzero()[:, 0].tolist()  # every live row once, no finished one
+            assert (
+                sorted(order.tolist()) == live.nonzero()[:, 0].tolist()
+            )  # every live row once, no finished one
             for i in range(n_live):
                 assert order[i] == i or not live[i]  # a live front row is not moved
             buffer = torch.arange(n).float()
             buffer[holes] = buffer[fillers]  # what KVCache.keep_rows does to the keys and values
             assert buffer[:n_live].tolist() == order.float().tolist()
             moved = holes != fillers
-            assert int(moved.sum()) == int((~live[:n_live]).sum())  # copies: the finished front rows, no more
+            assert int(moved.sum()) == int(
+                (~live[:n_live]).sum()
+            )  # copies: the finished front rows, no more
 
 
 def test_top_k_sampling_stays_within_the_top_k(model):
     # every sampled token is among the k likeliest at its position (the logits recomputed without the cache)
-    seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=2, max_new_tokens=6, temperature=2.0, top_k=3, seed=4)
+    seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(
+        PROMPTS, num_samples=2, max_new_tokens=6, temperature=2.0, top_k=3, seed=4
+    )
     for seq, mask in zip(seqs, masks):
         for t in range(mask.index(1), len(seq)):
-            logits = model(torch.tensor([seq[:t]]))[0, -1, :NoStopTokenizer().vocab_size]
+            logits = model(torch.tensor([seq[:t]]))[0, -1, : NoStopTokenizer().vocab_size]
             assert logits[seq[t]] >= torch.topk(logits, 3).values[-1]
 
 
 def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_token(model):
     # generate_batch runs under no_grad, not inference_mode: only then does autocast keep the bf16 copy of each
     # fp32 weight for the rest of the call (on a GPU, one cast kernel per weight per decode pass otherwise)
-    weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    weight_shapes = {
+        tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)
+    }
     n_weights = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile(record_shapes=True) as prof:
-        Engine(model, NoStopTokenizer()).generate_batch(PROMPTS, num_samples=2, max_new_tokens=8, seed=1)
-    weight_casts = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-                    and tuple(e.input_shapes[0]) in weight_shapes]
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.profiler.profile(record_shapes=True) as prof,
+    ):
+        Engine(model, NoStopTokenizer()).generate_batch(
+            PROMPTS, num_samples=2, max_new_tokens=8, seed=1
+        )
+    weight_casts = [
+        e
+        for e in prof.events()
+        if e.name == "aten::_to_copy"
+        and e.input_shapes
+        and tuple(e.input_shapes[0]) in weight_shapes
+    ]
     assert len(weight_casts) == n_weights  # the prefill's, then none in 7 decode passes
 
 
@@ -204,11 +260,20 @@ def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
     # the casts kept for a call (no_grad) leave with their autocast block, as chat_rl's loop relies on: the
     # rollout after an optimizer step (outside the block) decodes with the new weights. Untied head: only
     # the cast lm_head changes (inside one block the stale copy would keep the old tokens)
-    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = GPTConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = GPT(config).init_weights(3).eval()
     engine = Engine(model, NoStopTokenizer())
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # one object, entered once per phase, as chat_rl does
+    autocast = torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    )  # one object, entered once per phase, as chat_rl does
     kw = dict(num_samples=1, max_new_tokens=4, temperature=0.0)
     with autocast:
         before, _ = engine.generate_batch(PROMPTS, **kw)

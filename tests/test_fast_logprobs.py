@@ -35,14 +35,27 @@ FAMILIES = {
 
 
 def model_for(family, seed=0):
-    config = GPTConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, **FAMILIES[family])
+    config = GPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **FAMILIES[family],
+    )
     model = GPT(config).init_weights(seed)
-    with torch.no_grad():  # the init leaves biases and norm weights at 0 and 1: make every switch matter
+    with (
+        torch.no_grad()
+    ):  # the init leaves biases and norm weights at 0 and 1: make every switch matter
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-        model.lm_head.weight.mul_(5)  # logits of order 1, not the init's near-uniform ones: T then matters
+                p.add_(
+                    0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                )
+        model.lm_head.weight.mul_(
+            5
+        )  # logits of order 1, not the init's near-uniform ones: T then matters
     return model
 
 
@@ -60,7 +73,15 @@ def rollouts(seed, num_groups=5):
             sampled = [int(j != 2) for j in range(len(completion))]
             sequences.append(prompt + completion)
             masks.append([0] * len(prompt) + sampled)
-            rewards.append(1.0 if g == 1 else 0.0 if g == 3 else float(s % 2 == 0) if g == 0 else float(rng.random() < 0.5))
+            rewards.append(
+                1.0
+                if g == 1
+                else 0.0
+                if g == 3
+                else float(s % 2 == 0)
+                if g == 0
+                else float(rng.random() < 0.5)
+            )
     return sequences, masks, chat_rl.compute_advantages(torch.tensor(rewards), NUM_SAMPLES)
 
 
@@ -83,10 +104,15 @@ def test_the_fast_log_probs_and_their_gradients_are_the_plain_ones(family, check
     # told of (loss_grad given: the head's gradients made in the forward pass)
     sequences, masks, _ = rollouts(seed=0)
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
-    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(1)) * (targets >= 0)
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(1)) * (
+        targets >= 0
+    )
     results = {}
-    for name, logprobs, loss_grad in (("plain", chat_rl.plain_logprobs, None), ("fast", fast_logprobs, None),
-                                      ("fast, told the loss", fast_logprobs, weights)):
+    for name, logprobs, loss_grad in (
+        ("plain", chat_rl.plain_logprobs, None),
+        ("fast", fast_logprobs, None),
+        ("fast, told the loss", fast_logprobs, weights),
+    ):
         model = model_for(family)
         model.checkpoint_layers = checkpointing
         logp = logprobs(model, inputs, targets, T, loss_grad=loss_grad)
@@ -110,13 +136,28 @@ def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(famil
     for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
         model, calls = model_for(family), []
         counted = lambda *args, **kwargs: calls.append(1) or logprobs(*args, **kwargs)  # noqa: E731
-        loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 5, loss_norm,
-                                                        "cpu", temperature=T, logprobs=counted)
+        loss, tokens = chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            advantages,
+            NUM_SAMPLES,
+            5,
+            loss_norm,
+            "cpu",
+            temperature=T,
+            logprobs=counted,
+        )
         results[name] = loss, tokens, len(calls), grads(model)
-    (loss, tokens, passes, plain_grads), (fast_loss, fast_tokens, fast_passes, fast_grads) = results["plain"], results["fast"]
+    (loss, tokens, passes, plain_grads), (fast_loss, fast_tokens, fast_passes, fast_grads) = (
+        results["plain"],
+        results["fast"],
+    )
     assert passes == fast_passes == 3  # 12 kept rows, 5 a micro-batch
     # the loss sums terms of order 1 that cancel: its error is of their size, not of what is left
-    assert fast_tokens == tokens and abs(float(fast_loss - loss)) <= TOLERANCE * (1 + abs(float(loss)))
+    assert fast_tokens == tokens and abs(float(fast_loss - loss)) <= TOLERANCE * (
+        1 + abs(float(loss))
+    )
     for name, grad in plain_grads.items():
         assert_close(fast_grads[name], grad)
 
@@ -125,11 +166,15 @@ def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampl
     # an embedding padded past the tokenizer's vocabulary (Qwen2.5's, the demo's): those rows are never sampled
     # (engine.py slices the logits to tokenizer.vocab_size), so the loss's distribution leaves them out too
     sequences, masks, advantages = rollouts(seed=5)
-    sequences = [[token % 60 for token in seq] for seq in sequences]  # every token within the tokenizer's 60
+    sequences = [
+        [token % 60 for token in seq] for seq in sequences
+    ]  # every token within the tokenizer's 60
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     model = model_for("qwen2 (qkv bias, untied head)")
     with torch.no_grad():
-        expected = torch.log_softmax(model(inputs)[..., :60].float() / T, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        expected = torch.log_softmax(model(inputs)[..., :60].float() / T, dim=-1).gather(
+            -1, targets.clamp(min=0)[..., None]
+        )[..., 0]
         expected = torch.where(targets >= 0, expected, 0.0)
         everything = chat_rl.plain_logprobs(model, inputs, targets, T)
     results = {}
@@ -138,11 +183,26 @@ def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampl
         with torch.no_grad():
             logp = logprobs(model, inputs, targets, T, vocab_size=60)
         assert_close(logp, expected)
-        chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu",
-                                         temperature=T, logprobs=logprobs, vocab_size=60)
+        chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            advantages,
+            NUM_SAMPLES,
+            8,
+            "all_tokens",
+            "cpu",
+            temperature=T,
+            logprobs=logprobs,
+            vocab_size=60,
+        )
         results[name] = grads(model)
-        assert torch.all(results[name]["lm_head.weight"][60:] == 0)  # the padding rows learn nothing
-    assert relative_error(everything, expected) > 1e-3  # the padding rows do weigh in the softmax over all 64
+        assert torch.all(
+            results[name]["lm_head.weight"][60:] == 0
+        )  # the padding rows learn nothing
+    assert (
+        relative_error(everything, expected) > 1e-3
+    )  # the padding rows do weigh in the softmax over all 64
     for name, grad in results["plain"].items():
         assert_close(results["fast"][name], grad)
 
@@ -153,11 +213,18 @@ def random_rollouts(rng, num_groups, num_samples):
     a row sampled from position 0."""
     sequences, masks, prompts = [], [], []
     for _ in range(num_groups):
-        prompt = list(rng.choice(prompts)) if prompts and rng.random() < 0.3 else [rng.randrange(64) for _ in range(rng.choice([1, 2, 5, 9]))]
+        prompt = (
+            list(rng.choice(prompts))
+            if prompts and rng.random() < 0.3
+            else [rng.randrange(64) for _ in range(rng.choice([1, 2, 5, 9]))]
+        )
         prompts.append(prompt)
         for _ in range(num_samples):
             completion = [rng.randrange(64) for _ in range(rng.choice([0, 1, 3, 7]))]
-            seq, mask = prompt + completion, [0] * len(prompt) + [int(rng.random() < 0.8) for _ in completion]
+            seq, mask = (
+                prompt + completion,
+                [0] * len(prompt) + [int(rng.random() < 0.8) for _ in completion],
+            )
             kind = rng.random()
             if kind < 0.1:
                 mask = [0] * len(seq)
@@ -177,13 +244,21 @@ def test_on_random_edge_cases_the_fast_path_gives_the_plain_loss_and_gradients(t
     sequences, masks = random_rollouts(rng, num_groups=4, num_samples=3)
     advantages = torch.tensor([rng.choice([-0.5, 0.0, 0.25, 1.0]) for _ in sequences])
     family = list(FAMILIES)[trial % len(FAMILIES)]
-    args = dict(num_samples=3, device_batch_size=rng.choice([1, 2, 5, 100]), loss_norm=rng.choice(NORMS), device="cpu",
-                device_batch_tokens=rng.choice([12, float("inf")]), temperature=T)
+    args = dict(
+        num_samples=3,
+        device_batch_size=rng.choice([1, 2, 5, 100]),
+        loss_norm=rng.choice(NORMS),
+        device="cpu",
+        device_batch_tokens=rng.choice([12, float("inf")]),
+        temperature=T,
+    )
     results = []
     for logprobs in (chat_rl.plain_logprobs, fast_logprobs):
         model = model_for(family, seed=trial)
         model.checkpoint_layers = trial % 2 == 1
-        loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, logprobs=logprobs, **args)
+        loss, tokens = chat_rl.policy_gradient_backward(
+            model, sequences, masks, advantages, logprobs=logprobs, **args
+        )
         results.append((loss, tokens, {n: p.grad for n, p in model.named_parameters()}))
     (loss, tokens, plain_grads), (fast_loss, fast_tokens, fast_grads) = results
     assert fast_tokens == tokens
@@ -199,8 +274,13 @@ def test_the_shared_layout_by_hand():
     # rows 0 and 1 share prompt [5, 6, 7]; row 2 has prompt [5] (an empty prefix); row 3 has no sampled token
     sequences = [[5, 6, 7, 8, 9], [5, 6, 7, 4], [5, 3], [1, 2]]
     masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 1], [0, 0]]
-    ids, lengths, row_prefix, inputs, targets = make_shared_batch(*chat_rl.make_batch(sequences, masks, "cpu"))
-    assert ids.tolist() == [[5, 6], [0, 0]] and lengths.tolist() == [2, 0]  # prefixes: [5, 6] and [] (twice)
+    ids, lengths, row_prefix, inputs, targets = make_shared_batch(
+        *chat_rl.make_batch(sequences, masks, "cpu")
+    )
+    assert ids.tolist() == [[5, 6], [0, 0]] and lengths.tolist() == [
+        2,
+        0,
+    ]  # prefixes: [5, 6] and [] (twice)
     assert row_prefix.tolist() == [0, 0, 1, 1]
     # each row starts at its prompt's last token, which predicts the first sampled one
     assert inputs.tolist() == [[7, 8], [7, 0], [5, 0], [1, 0]]
@@ -211,12 +291,18 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
     # 2 prompts x 4 samples, one micro-batch: the model embeds one flat sequence without padding, each prompt less
     # its last token once, then each row's own tokens (that last token + its completion less its last token)
     sequences, masks, _ = rollouts(seed=3, num_groups=2)
-    masks = [[0] * m.index(1) + [1] * (len(m) - m.index(1)) for m in masks]  # no forced token: rows end at a target
+    masks = [
+        [0] * m.index(1) + [1] * (len(m) - m.index(1)) for m in masks
+    ]  # no forced token: rows end at a target
     advantages = torch.tensor([0.5, -0.5, 0.25, -0.25] * 2)
     model = model_for("llama (GQA, tied head)")
     embedded = []
-    model.model.embed_tokens.register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
-    chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 8, "kept_tokens", "cpu")
+    model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: embedded.append(tuple(args[0].shape))
+    )
+    chat_rl.policy_gradient_backward(
+        model, sequences, masks, advantages, NUM_SAMPLES, 8, "kept_tokens", "cpu"
+    )
     prompt_lengths = [m.index(1) for m in masks]
     prefix_tokens = sum(n - 1 for n in prompt_lengths[::NUM_SAMPLES])
     own_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
@@ -236,9 +322,11 @@ def test_a_loss_other_than_the_one_guessed_gets_its_own_gradients_at_a_moved_pol
     with torch.no_grad():
         old = chat_rl.plain_logprobs(model_for(family), inputs, targets, T)
     results = {}
-    for name, logprobs, loss_grad in (("plain", chat_rl.plain_logprobs, None),
-                                      ("guessed", fast_logprobs, weights),
-                                      ("told the loss", fast_logprobs, weights)):
+    for name, logprobs, loss_grad in (
+        ("plain", chat_rl.plain_logprobs, None),
+        ("guessed", fast_logprobs, weights),
+        ("told the loss", fast_logprobs, weights),
+    ):
         model = model_for(family, seed=1)  # moved: another init
         logp = logprobs(model, inputs, targets, T, loss_grad=loss_grad)
         ratio = torch.exp(logp - old)
@@ -255,16 +343,32 @@ def test_a_loss_other_than_the_one_guessed_gets_its_own_gradients_at_a_moved_pol
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    sequences, masks, advantages = rollouts(seed=10 + rank, num_groups=4 if rank == 0 else 2)  # 3 and 1 kept groups
+    sequences, masks, advantages = rollouts(
+        seed=10 + rank, num_groups=4 if rank == 0 else 2
+    )  # 3 and 1 kept groups
     out = {}
     for sharded in (False, True):
         for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
-            model = fsdp.prepare(model_for("qwen2 (qkv bias, untied head)"), torch.device("cpu"), sharded, False)
-            chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 4, "all_tokens", "cpu",
-                                             temperature=T, logprobs=logprobs)  # 3 passes on rank 0, 1 on rank 1
+            model = fsdp.prepare(
+                model_for("qwen2 (qkv bias, untied head)"), torch.device("cpu"), sharded, False
+            )
+            chat_rl.policy_gradient_backward(
+                model,
+                sequences,
+                masks,
+                advantages,
+                NUM_SAMPLES,
+                4,
+                "all_tokens",
+                "cpu",
+                temperature=T,
+                logprobs=logprobs,
+            )  # 3 passes on rank 0, 1 on rank 1
             chat_rl.sync_gradients(model)
-            out[sharded, name] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                                  for n, p in model.named_parameters()}
+            out[sharded, name] = {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -272,7 +376,9 @@ def _worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fast_logprobs")
-    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn"
+    )
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 
@@ -281,9 +387,21 @@ def test_on_two_ranks_the_fast_path_gives_the_plain_gradients_of_one_process(two
     parts = [rollouts(seed=10 + r, num_groups=4 if r == 0 else 2) for r in range(2)]
     sequences, masks = parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
     reference = model_for("qwen2 (qkv bias, untied head)")
-    chat_rl.policy_gradient_backward(reference, sequences, masks, torch.cat([parts[0][2], parts[1][2]]), NUM_SAMPLES, 4,
-                                     "all_tokens", "cpu", temperature=T, logprobs=chat_rl.plain_logprobs)
+    chat_rl.policy_gradient_backward(
+        reference,
+        sequences,
+        masks,
+        torch.cat([parts[0][2], parts[1][2]]),
+        NUM_SAMPLES,
+        4,
+        "all_tokens",
+        "cpu",
+        temperature=T,
+        logprobs=chat_rl.plain_logprobs,
+    )
     for rank in range(2):
         for name, grad in grads(reference).items():
-            assert_close(two_ranks[rank][sharded, "fast"][name], two_ranks[rank][sharded, "plain"][name])
+            assert_close(
+                two_ranks[rank][sharded, "fast"][name], two_ranks[rank][sharded, "plain"][name]
+            )
             assert_close(two_ranks[rank][sharded, "fast"][name], grad)

@@ -29,8 +29,14 @@ from policy.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_SAMPLES = 2
-CONFIG = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2)  # tied head, like the demo model and Qwen2.5-0.5B
+CONFIG = dict(
+    vocab_size=264,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)  # tied head, like the demo model and Qwen2.5-0.5B
 
 
 def model_for_test():
@@ -43,7 +49,10 @@ def groups_for(rank, live_groups):
     g = torch.Generator().manual_seed(rank)
     seqs, masks = [], []
     for _ in range(2 * NUM_SAMPLES):
-        prompt_len, completion_len = int(torch.randint(2, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        prompt_len, completion_len = (
+            int(torch.randint(2, 5, (1,), generator=g)),
+            int(torch.randint(1, 7, (1,), generator=g)),
+        )
         seqs.append(torch.randint(0, 256, (prompt_len + completion_len,), generator=g).tolist())
         masks.append([0] * prompt_len + [1] * completion_len)
     rewards = torch.tensor([1.0, 0.0] * live_groups + [1.0, 1.0] * (2 - live_groups))
@@ -83,7 +92,9 @@ def _worker(rank, world, init_file, out_dir):
     optimizer.step()
     out["sharded state bytes"] = fsdp.state_bytes(model, optimizer)
     names = [n for n, _ in model.named_parameters()]
-    out["sharded optimizer"] = {names[i]: full(s) for i, s in optimizer.state_dict()["state"].items()}
+    out["sharded optimizer"] = {
+        names[i]: full(s) for i, s in optimizer.state_dict()["state"].items()
+    }
 
     # rollouts: all-gathers counted, ranks decoding different numbers of tokens
     calls, all_gather = [], dist.all_gather_single
@@ -92,22 +103,33 @@ def _worker(rank, world, init_file, out_dir):
     with fsdp.gathered(model):
         gathered = len(calls)
         out["sharded inside"] = isinstance(model.model.layers[0].mlp.gate_up_proj.weight, DTensor)
-        engine.generate_batch([[256, 1, 2], [256, 7]], 2, max_new_tokens=8 if rank == 0 else 3, seed=rank)
+        engine.generate_batch(
+            [[256, 1, 2], [256, 7]], 2, max_new_tokens=8 if rank == 0 else 3, seed=rank
+        )
         out["all-gathers"] = (gathered, len(calls) - gathered)
     out["sharded after"] = isinstance(model.model.layers[0].mlp.gate_up_proj.weight, DTensor)
-    engine.generate_batch([[256, 1, 2]], 1, max_new_tokens=4, seed=0)  # 4 forwards, sharded: for contrast
+    engine.generate_batch(
+        [[256, 1, 2]], 1, max_new_tokens=4, seed=0
+    )  # 4 forwards, sharded: for contrast
     out["all-gathers without"] = len(calls) - sum(out["all-gathers"])
     dist.all_gather_single = all_gather
 
     # checkpoints: the Hugging Face weights from shards, the optimizer shards into a whole model and back
     fsdp.save_weights(model, out_dir, rank)
-    state = full(model.state_dict())  # the checkpoint's tensors: the fused Linears split into their parts
-    out["weights"] = {name: state[own] if rows is None else state[own][rows] for name, own, rows in model.hf_layout()}
+    state = full(
+        model.state_dict()
+    )  # the checkpoint's tensors: the fused Linears split into their parts
+    out["weights"] = {
+        name: state[own] if rows is None else state[own][rows]
+        for name, own, rows in model.hf_layout()
+    }
     fsdp.save_optimizer(model, optimizer, os.path.join(out_dir, "optimizer"))
     whole = model_for_test()
     whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     fsdp.restore_optimizer(whole, whole_optimizer, None, os.path.join(out_dir, "optimizer"))
-    out["shards into whole"] = {names[i]: copy.deepcopy(s) for i, s in whole_optimizer.state_dict()["state"].items()}
+    out["shards into whole"] = {
+        names[i]: copy.deepcopy(s) for i, s in whole_optimizer.state_dict()["state"].items()
+    }
     for p in whole.parameters():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
     whole_optimizer.step()
@@ -116,7 +138,9 @@ def _worker(rank, world, init_file, out_dir):
     resharded = fsdp.prepare(model_for_test(), cpu, fsdp=True, activation_checkpointing=False)
     resharded_optimizer = torch.optim.AdamW(resharded.parameters(), lr=1e-2)
     fsdp.restore_optimizer(resharded, resharded_optimizer, whole_optimizer.state_dict(), None)
-    out["whole into shards"] = {names[i]: full(s) for i, s in resharded_optimizer.state_dict()["state"].items()}
+    out["whole into shards"] = {
+        names[i]: full(s) for i, s in resharded_optimizer.state_dict()["state"].items()
+    }
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -124,7 +148,9 @@ def _worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn"
+    )
     return tmp, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -132,8 +158,16 @@ def reference_gradient(case):
     """One process over the union of both ranks' kept rows."""
     model = model_for_test()
     union = [groups_for(r, LIVE[case][r]) for r in range(2)]
-    chat_rl.policy_gradient_backward(model, union[0][0] + union[1][0], union[0][1] + union[1][1],
-                                     torch.cat([union[0][2], union[1][2]]), NUM_SAMPLES, 1, "kept_tokens", "cpu")
+    chat_rl.policy_gradient_backward(
+        model,
+        union[0][0] + union[1][0],
+        union[0][1] + union[1][1],
+        torch.cat([union[0][2], union[1][2]]),
+        NUM_SAMPLES,
+        1,
+        "kept_tokens",
+        "cpu",
+    )
     return model
 
 
@@ -142,13 +176,17 @@ def test_sharded_gradient_equals_one_process_over_the_union(ranks, case):
     reference = reference_gradient(case)
     for name, p in reference.named_parameters():
         for r in range(2):
-            assert torch.allclose(ranks[1][r][f"grads {case}"][name], p.grad, atol=1e-6, rtol=0), name
+            assert torch.allclose(ranks[1][r][f"grads {case}"][name], p.grad, atol=1e-6, rtol=0), (
+                name
+            )
 
 
 @pytest.mark.parametrize("case", LIVE)
 def test_activation_checkpointing_under_fsdp_gives_the_same_gradient(ranks, case):
     for name, g in ranks[1][0][f"grads {case}"].items():
-        assert torch.allclose(ranks[1][0][f"checkpointed grads {case}"][name], g, atol=1e-6, rtol=0), name
+        assert torch.allclose(
+            ranks[1][0][f"checkpointed grads {case}"][name], g, atol=1e-6, rtol=0
+        ), name
 
 
 def test_gradient_norm_of_shards_is_the_global_norm(ranks):
@@ -160,25 +198,39 @@ def test_gradient_norm_of_shards_is_the_global_norm(ranks):
 def test_rollout_all_gathers_once_per_unit_not_per_forward(ranks):
     for r in range(2):
         out = ranks[1][r]
-        assert out["all-gathers"] == (3, 0)  # 2 layers + the root on entry, nothing in 8 (rank 1: 3) decode passes
-        assert (out["sharded inside"], out["sharded after"]) == (False, True)  # full weights inside, shards after
-        assert out["all-gathers without"] >= 4 * 2  # without it every forward gathers every layer (4 forwards here)
+        assert out["all-gathers"] == (
+            3,
+            0,
+        )  # 2 layers + the root on entry, nothing in 8 (rank 1: 3) decode passes
+        assert (out["sharded inside"], out["sharded after"]) == (
+            False,
+            True,
+        )  # full weights inside, shards after
+        assert (
+            out["all-gathers without"] >= 4 * 2
+        )  # without it every forward gathers every layer (4 forwards here)
 
 
 def test_sharded_state_is_about_half_per_rank(ranks):
     for r in range(2):
         ratio = ranks[1][r]["sharded state bytes"] / ranks[1][r]["whole state bytes"]
-        print(f"rank {r}: {ranks[1][r]['sharded state bytes']} of {ranks[1][r]['whole state bytes']} bytes ({ratio:.3f})")
+        print(
+            f"rank {r}: {ranks[1][r]['sharded state bytes']} of {ranks[1][r]['whole state bytes']} bytes ({ratio:.3f})"
+        )
         assert 0.45 < ratio < 0.55
 
 
 def test_weights_written_from_shards_load_in_transformers_with_equal_logits(ranks):
     from transformers import AutoModelForCausalLM
+
     folder, out = ranks
     written = load_file(folder / "model.safetensors")
     assert written.keys() == out[0]["weights"].keys()  # the tied head stored once
     assert all(torch.equal(written[k], out[0]["weights"][k]) for k in written)
-    ours, hf = GPT.from_pretrained(str(folder)), AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    ours, hf = (
+        GPT.from_pretrained(str(folder)),
+        AutoModelForCausalLM.from_pretrained(str(folder)).eval(),
+    )
     idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (ours(idx) - hf(idx).logits).abs().max().item()
@@ -187,12 +239,16 @@ def test_weights_written_from_shards_load_in_transformers_with_equal_logits(rank
 
 @pytest.mark.parametrize("direction", ["shards into whole", "whole into shards"])
 def test_optimizer_state_moves_between_sharded_and_whole(ranks, direction):
-    source = ranks[1][0]["sharded optimizer" if direction == "shards into whole" else "whole optimizer"]
+    source = ranks[1][0][
+        "sharded optimizer" if direction == "shards into whole" else "whole optimizer"
+    ]
     for r in range(2):
         loaded = ranks[1][r][direction]
         assert loaded.keys() == source.keys()
         for name, state in source.items():
-            assert all(torch.equal(loaded[name][k], state[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
+            assert all(
+                torch.equal(loaded[name][k], state[k]) for k in ("step", "exp_avg", "exp_avg_sq")
+            ), name
 
 
 def test_a_checkpoint_before_the_first_update_keeps_adamw_without_state(ranks):
@@ -222,9 +278,22 @@ def test_activation_checkpointing_stays_off_outside_training():
 
 
 # ---- whole runs: torchrun, 2 CPU ranks, the demo model (its groups disagree, so every step trains) -----------
-TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}  # wall-clock, the only values allowed to differ
-ARGS = ["--preset=demo", "--device-type=cpu", "--num-steps=4", "--examples-per-step=4", "--num-samples=4",
-        "--save-every=2", "--eval-every=2", "--eval-examples=4", "--eval-samples=2"]
+TIMING_KEYS = {
+    "rollout_tokens_per_s",
+    "step_time_s",
+    "eval_time_s",
+}  # wall-clock, the only values allowed to differ
+ARGS = [
+    "--preset=demo",
+    "--device-type=cpu",
+    "--num-steps=4",
+    "--examples-per-step=4",
+    "--num-samples=4",
+    "--save-every=2",
+    "--eval-every=2",
+    "--eval-examples=4",
+    "--eval-samples=2",
+]
 
 # chat_rl under torchrun; rank 1 SIGKILLs itself when the train row of step KILL_AT is logged (every rank
 # calls MetricsLog.write; only rank 0 writes), as a node that dies mid-run
@@ -246,8 +315,17 @@ def torchrun(out_dir, *flags, kill_at=-1):
     runner = os.path.join(os.path.dirname(out_dir), "runner.py")
     with open(runner, "w") as f:
         f.write(RUNNER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", runner, *ARGS,
-           f"--out-dir={out_dir}", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        runner,
+        *ARGS,
+        f"--out-dir={out_dir}",
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "KILL_AT": str(kill_at)}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -279,14 +357,21 @@ def test_fsdp_run_ends_where_the_replicated_run_ends(runs):
     assert a.keys() == b.keys() and diff < 1e-5
     ddp, sharded = metrics(runs["ddp"]), metrics(runs["fsdp"])
     assert [r["step"] for r in ddp] == [r["step"] for r in sharded]
-    assert all(r["reward"] == s["reward"] for r, s in zip(ddp, sharded) if "reward" in r)  # the same samples
-    replicated, per_shard = (next(r["state_mib"] for r in reversed(m) if "state_mib" in r) for m in (ddp, sharded))
-    print(f"rank 0 weights + grads + AdamW: {replicated:.3f} MiB replicated, {per_shard:.3f} MiB sharded")
+    assert all(
+        r["reward"] == s["reward"] for r, s in zip(ddp, sharded) if "reward" in r
+    )  # the same samples
+    replicated, per_shard = (
+        next(r["state_mib"] for r in reversed(m) if "state_mib" in r) for m in (ddp, sharded)
+    )
+    print(
+        f"rank 0 weights + grads + AdamW: {replicated:.3f} MiB replicated, {per_shard:.3f} MiB sharded"
+    )
     assert 0.45 < per_shard / replicated < 0.55
 
 
 def test_fsdp_run_checkpoint_loads_in_transformers_with_equal_logits(runs):
     from transformers import AutoModelForCausalLM
+
     folder = str(runs["fsdp"] / "step_000004")
     ours, hf = GPT.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
     idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -308,7 +393,9 @@ def test_fsdp_sigkill_then_resume_matches_the_uninterrupted_run(runs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("source,flags", [("ddp", ["--fsdp"]), ("fsdp", [])], ids=["ddp-to-fsdp", "fsdp-to-ddp"])
+@pytest.mark.parametrize(
+    "source,flags", [("ddp", ["--fsdp"]), ("fsdp", [])], ids=["ddp-to-fsdp", "fsdp-to-ddp"]
+)
 def test_a_checkpoint_resumes_with_the_other_kind_of_run(runs, tmp_path, source, flags):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(runs[source]), str(out)], check=True)
@@ -316,13 +403,21 @@ def test_a_checkpoint_resumes_with_the_other_kind_of_run(runs, tmp_path, source,
     resumed = torchrun(out, "--resume", *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = weights(out), weights(runs[source])
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # sums in another order: close, not equal
+    assert (
+        max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    )  # sums in another order: close, not equal
 
 
 def test_a_sharded_checkpoint_without_its_optimizer_shards_is_refused_in_one_line(runs, tmp_path):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(runs["fsdp"]), str(out)], check=True)
-    os.remove(out / "step_000004" / "optimizer" / ".metadata")  # as if only the weights had been copied over
-    cfg = flags.parse_config([*ARGS, f"--out-dir={out}", "--fsdp", "--resume"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
-    with pytest.raises(flags.ConfigError, match="optimizer/ folder of per-rank shards .* is missing"):
+    os.remove(
+        out / "step_000004" / "optimizer" / ".metadata"
+    )  # as if only the weights had been copied over
+    cfg = flags.parse_config(
+        [*ARGS, f"--out-dir={out}", "--fsdp", "--resume"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
+    with pytest.raises(
+        flags.ConfigError, match="optimizer/ folder of per-rank shards .* is missing"
+    ):
         checkpoint.find_resumable(cfg, 2)

@@ -93,13 +93,13 @@ GRADE_CASES = [
     ("#### 18", "", False),
     (None, "18", False),
     # unicode
-    ("#### \u22125", "-5", True),          # the minus sign U+2212
-    ("####\u00a018", "18", True),          # a no-break space
-    ("#### 18 \U0001F34E", "18", True),    # an emoji unit
-    ("#### \uff11\uff18", "18", False),    # full-width digits are not ASCII digits
-    ("#### \u0661\u0668", "18", False),    # Arabic-Indic digits neither
+    ("#### \u22125", "-5", True),  # the minus sign U+2212
+    ("####\u00a018", "18", True),  # a no-break space
+    ("#### 18 \U0001f34e", "18", True),  # an emoji unit
+    ("#### \uff11\uff18", "18", False),  # full-width digits are not ASCII digits
+    ("#### \u0661\u0668", "18", False),  # Arabic-Indic digits neither
     ("\uff03\uff03\uff03\uff03 18", "18", False),  # full-width hashes are not the marker
-    ("#### 18 \u0661", "18", False),       # a digit of any script after the answer: malformed
+    ("#### 18 \u0661", "18", False),  # a digit of any script after the answer: malformed
 ]
 
 
@@ -155,16 +155,45 @@ def test_reference_of_a_real_row_strips_nothing_it_needs():
     row = {"question": "q", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"}
     assert gsm8k.reference(row) == "72"
     assert gsm8k.grade("...\n#### 72", gsm8k.reference(row))
-    assert gsm8k.solution(row) == row["answer"]  # annotations kept: they teach the calculator's syntax
+    assert (
+        gsm8k.solution(row) == row["answer"]
+    )  # annotations kept: they teach the calculator's syntax
 
 
-gsm_text = st.lists(st.sampled_from(["####", " ", "\n", "18", "1", ",", ".", "000", "-", "$", "**", "%",
-                                     "or", "/", "Step", "\u2212", "\uff11", "\u00b2", "e3", "\\"]),
-                    max_size=20).map("".join)
+gsm_text = st.lists(
+    st.sampled_from(
+        [
+            "####",
+            " ",
+            "\n",
+            "18",
+            "1",
+            ",",
+            ".",
+            "000",
+            "-",
+            "$",
+            "**",
+            "%",
+            "or",
+            "/",
+            "Step",
+            "\u2212",
+            "\uff11",
+            "\u00b2",
+            "e3",
+            "\\",
+        ]
+    ),
+    max_size=20,
+).map("".join)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(completion=st.one_of(gsm_text, st.text(max_size=200)), reference=st.one_of(gsm_text, st.text(max_size=20)))
+@given(
+    completion=st.one_of(gsm_text, st.text(max_size=200)),
+    reference=st.one_of(gsm_text, st.text(max_size=20)),
+)
 def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     first = gsm8k.grade(completion, reference)
     assert isinstance(first, bool) and gsm8k.grade(completion, reference) is first
@@ -177,8 +206,14 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
 @st.composite
 def numbers(draw):
     """(value, plain): a random decimal number as a Fraction and as a plain '-?digits(.digits)?' string."""
-    whole, frac, negative = draw(st.integers(0, 10**9)), draw(st.text("0123456789", max_size=3)), draw(st.booleans())
-    value = (Fraction(whole) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)) * (-1 if negative else 1)
+    whole, frac, negative = (
+        draw(st.integers(0, 10**9)),
+        draw(st.text("0123456789", max_size=3)),
+        draw(st.booleans()),
+    )
+    value = (Fraction(whole) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)) * (
+        -1 if negative else 1
+    )
     return value, ("-" if negative else "") + str(whole) + (f".{frac}" if frac else "")
 
 
@@ -187,7 +222,11 @@ def written(draw, value_and_plain):
     """The number as the verifier accepts it after its marker: sign, $, **, thousands groups, zeros, units."""
     value, _ = value_and_plain
     whole, frac = divmod(abs(value), 1)
-    digits = f"{int(whole):,}" if whole >= 1000 and draw(st.booleans()) else "0" * draw(st.integers(0, 2)) + str(int(whole))
+    digits = (
+        f"{int(whole):,}"
+        if whole >= 1000 and draw(st.booleans())
+        else "0" * draw(st.integers(0, 2)) + str(int(whole))
+    )
     decimals = ""
     if frac:
         decimals = str(frac.numerator * 10**3 // frac.denominator).rjust(3, "0").rstrip("0")
@@ -200,7 +239,9 @@ def written(draw, value_and_plain):
     bold = draw(st.sampled_from(["", "**"]))
     number = bold + (sign + dollar if draw(st.booleans()) else dollar + sign) + body + bold
     marker = draw(st.sampled_from(["####", "#### ", "####  ", "####\u00a0"]))
-    tail = draw(st.sampled_from(["", ".", "%", " apples", " dollars.", "\nThat is 5 more than yesterday."]))
+    tail = draw(
+        st.sampled_from(["", ".", "%", " apples", " dollars.", "\nThat is 5 more than yesterday."])
+    )
     work = draw(st.text(st.characters(blacklist_characters="#"), max_size=30))
     return f"{work}\n{marker}{number}{tail}"
 
@@ -208,7 +249,9 @@ def written(draw, value_and_plain):
 def plain(q):
     """A Fraction with a finite decimal expansion as a plain '-?digits(.digits)?' string."""
     whole, frac = divmod(abs(q), 1)
-    decimals = str(frac.numerator * 10**6 // frac.denominator).rjust(6, "0").rstrip("0") if frac else ""
+    decimals = (
+        str(frac.numerator * 10**6 // frac.denominator).rjust(6, "0").rstrip("0") if frac else ""
+    )
     return ("-" if q < 0 else "") + str(int(whole)) + (f".{decimals}" if decimals else "")
 
 
@@ -226,7 +269,12 @@ def test_fuzz_a_number_in_any_accepted_form_is_graded_right_and_extracted_exactl
 def test_fuzz_a_different_number_is_graded_wrong(data, number, other):
     value, _ = number
     completion = data.draw(written(number))
-    for wrong in {other[0], value + 1, value - Fraction(1, 1000), -value if value else Fraction(1)} - {value}:
+    for wrong in {
+        other[0],
+        value + 1,
+        value - Fraction(1, 1000),
+        -value if value else Fraction(1),
+    } - {value}:
         assert gsm8k.grade(completion, plain(wrong)) is False, (completion, plain(wrong))
 
 
@@ -250,6 +298,7 @@ def test_fuzz_a_hedge_pays_for_neither_answer_and_the_first_marker_binds(a, b):
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():
     from scripts.bench_verifiers import adversarial_cases
+
     for name, task, completion, reference in adversarial_cases():
         if task is gsm8k:
             assert gsm8k.grade(completion, reference) is False, name
@@ -259,6 +308,7 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
 def test_verifier_never_executes_model_text(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("the verifier tried to execute text")
+
     monkeypatch.setattr(builtins, "eval", refuse)
     monkeypatch.setattr(builtins, "exec", refuse)
     payload = f"#### __import__('os').system('touch {tmp_path}/pwned')"
@@ -272,6 +322,7 @@ def test_grades_the_same_from_other_threads():
 
     def work(i):
         results[i] = [gsm8k.grade(c, r) for c, r, _ in GRADE_CASES]
+
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()

@@ -25,31 +25,31 @@ def boxed(answer):
 EXTRACT_CASES = [
     (r"so \boxed{5}", "5"),
     (r"\boxed{\frac{22}{7}}", r"\frac{22}{7}"),
-    (r"\boxed {5}", "5"),                        # Math-Verify misses a space before the brace
+    (r"\boxed {5}", "5"),  # Math-Verify misses a space before the brace
     ("\\boxed\n{5}", "5"),
     (r"\fbox{5}", "5"),
     (r"\boxed{ 7 }", "7"),
-    (r"\boxed{{5}}", "5"),                       # braces around the whole answer only group
+    (r"\boxed{{5}}", "5"),  # braces around the whole answer only group
     (r"\boxed{{{5}}}", "5"),
     (r"\boxed{ { {5} } }", "5"),
     (r"\boxed{{\frac{1}{2}}}", r"\frac{1}{2}"),
-    (r"\boxed{{\{5\}}}", r"\{5\}"),              # the grouping goes, the set's braces stay
-    (r"\boxed{{1}{2}}", "{1}{2}"),               # two groups, not one around 12: kept
+    (r"\boxed{{\{5\}}}", r"\{5\}"),  # the grouping goes, the set's braces stay
+    (r"\boxed{{1}{2}}", "{1}{2}"),  # two groups, not one around 12: kept
     (r"\boxed{{1}^2}", "{1}^2"),
-    (r"\boxed{{}}", None),                       # nothing but grouping: an empty box
+    (r"\boxed{{}}", None),  # nothing but grouping: an empty box
     (r"\boxed{{\boxed{5}}}", None),
     (r"$\boxed{x^{2}}$.", "x^{2}"),
-    (r"\boxed{\{1,2\}}", r"\{1,2\}"),            # escaped braces do not close the box
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not close the box
     (r"\boxed{a}b}", "a"),
     (r"\boxed{\text{(C)}}", r"\text{(C)}"),
-    (r"\boxed{1} then \boxed{2}", "2"),          # the last box binds
-    (r"\boxed{2} then \boxed{}", None),          # an empty last box: no fallback to 2
+    (r"\boxed{1} then \boxed{2}", "2"),  # the last box binds
+    (r"\boxed{2} then \boxed{}", None),  # an empty last box: no fallback to 2
     (r"\boxed{2} then \boxed{ }", None),
-    (r"\boxed{2} then \boxed{3", None),          # unterminated last box
-    (r"\boxed{2} then \boxed 3", None),          # a box without braces
+    (r"\boxed{2} then \boxed{3", None),  # unterminated last box
+    (r"\boxed{2} then \boxed 3", None),  # a box without braces
     (r"\boxed{2} \boxed", None),
-    (r"\boxed{\boxed{5}}", None),                # a box in a box
-    (r"\boxedx{5}", None),                       # not a box command
+    (r"\boxed{\boxed{5}}", None),  # a box in a box
+    (r"\boxedx{5}", None),  # not a box command
     ("no box at all: 5", None),
     ("", None),
     (None, None),
@@ -91,7 +91,7 @@ EQUIV_CASES = [
     (r"3\sqrt{13}", r"3 \sqrt{13}", True),
     (r"\frac{\pi}{2}", r"0.5\pi", True),
     (r"\frac\pi2", r"\frac{\pi}{2}", True),
-    (r"\sqrt51", r"\sqrt{51}", False),                # LaTeX reads \sqrt51 as \sqrt{5}1
+    (r"\sqrt51", r"\sqrt{51}", False),  # LaTeX reads \sqrt51 as \sqrt{5}1
     # percent, degrees, units, money: decoration
     (r"50\%", "50", True),
     ("50", r"50\%", True),
@@ -112,9 +112,9 @@ EQUIV_CASES = [
     ("{{{5}}}", "5", True),
     ("{ {-3} }", "-3", True),
     (r"{\frac{1}{2}}", "0.5", True),
-    ("5", "{{5}}", True),                        # in the reference too
+    ("5", "{{5}}", True),  # in the reference too
     ("{{{5}}}", "6", False),
-    ("{1}{2}", "12", False),                     # two groups, not a wrapped 12
+    ("{1}{2}", "12", False),  # two groups, not a wrapped 12
     # brackets, intervals, tuples, sets
     (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})", True),
     ("[-2,7]", "[-2, 7]", True),
@@ -135,7 +135,11 @@ EQUIV_CASES = [
     ("-q + p", "p - q", True),
     ("3/56", r"\frac{3}{56}", True),
     (r"\$32,\!000", "32000", True),
-    (r"\begin{pmatrix} -1/3 \\ 2/3 \end{pmatrix}", r"\begin{pmatrix} -\frac13 \\ \frac23 \end{pmatrix}", True),
+    (
+        r"\begin{pmatrix} -1/3 \\ 2/3 \end{pmatrix}",
+        r"\begin{pmatrix} -\frac13 \\ \frac23 \end{pmatrix}",
+        True,
+    ),
     ("5", "x=5", True),
     # matrices, complex numbers
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", True),
@@ -171,7 +175,7 @@ EQUIV_CASES = [
     ("(1,2)", "(2,1)", False),
     ("-5", "5", False),
     ("5", "-5", False),
-    (r"10\%", "0.1", False),                     # percent is a unit, not a factor of 1/100
+    (r"10\%", "0.1", False),  # percent is a unit, not a factor of 1/100
     ("0.5", r"50\%", False),
     # hedges and hacks
     ("17, 18", "17", False),
@@ -195,17 +199,17 @@ EQUIV_CASES = [
     ("__import__('os').system('echo hi')", "5", False),
     ("1e3", "1000", False),
     # unicode
-    ("\uff15", "5", True),                       # full-width 5 (NFKC)
-    ("\u22123", "-3", True),                     # minus sign
-    ("x\u00b2-x-2", "x^2-x-2", True),            # superscript two
+    ("\uff15", "5", True),  # full-width 5 (NFKC)
+    ("\u22123", "-3", True),  # minus sign
+    ("x\u00b2-x-2", "x^2-x-2", True),  # superscript two
     ("\u00bd", r"\frac12", True),
     ("\u03c0", r"\pi", True),
     ("2\u03c0", r"2\pi", True),
     ("\u221a2", r"\sqrt{2}", True),
     ("30\u00b0", "30^\\circ", True),
-    ("3\u200b5", "35", True),                    # a zero-width space
-    ("\u0665", "5", False),                      # Arabic-Indic five: not an ASCII digit
-    ("\u2155", r"\frac15", False),               # a vulgar fraction we do not map
+    ("3\u200b5", "35", True),  # a zero-width space
+    ("\u0665", "5", False),  # Arabic-Indic five: not an ASCII digit
+    ("\u2155", r"\frac15", False),  # a vulgar fraction we do not map
 ]
 
 
@@ -225,8 +229,10 @@ def test_a_comma_glued_to_the_digits_groups_thousands(answer):
     assert mathtask.grade(boxed(answer), "32349") is True
 
 
-@pytest.mark.parametrize("answer,reference", [
-    (r"32,\!349", "32349"), (r"32,\! 349", "32349"), (r"11,\! 111,\! 111,\! 100", "11111111100")])
+@pytest.mark.parametrize(
+    "answer,reference",
+    [(r"32,\!349", "32349"), (r"32,\! 349", "32349"), (r"11,\! 111,\! 111,\! 100", "11111111100")],
+)
 def test_a_comma_then_backslash_bang_groups_thousands_whatever_spacing_follows(answer, reference):
     assert mathtask.grade(boxed(answer), reference) is True  # \! takes back the comma's space
 
@@ -252,12 +258,12 @@ def test_a_spaced_list_still_equals_the_same_list(answer):
 
 GRADE_CASES = [
     (r"\boxed{1} no wait, \boxed{2}", "2", True),
-    (r"\boxed{2} no wait, \boxed{1}", "2", False),   # only the last box counts
-    (r"\boxed{2} and \boxed{}", "2", False),         # never fall back to an earlier box
+    (r"\boxed{2} no wait, \boxed{1}", "2", False),  # only the last box counts
+    (r"\boxed{2} and \boxed{}", "2", False),  # never fall back to an earlier box
     (r"\boxed{2} and \boxed{3", "2", False),
     (r"\boxed {2}", "2", True),
     (r"\fbox{2}", "2", True),
-    ("2", "2", False),                               # no box, no answer
+    ("2", "2", False),  # no box, no answer
     (r"\boxed{2}", None, False),
     (r"\boxed{2}", "", False),
     (r"\boxed{2}", r"so the answer is \boxed{2}.", True),  # a whole solution as the reference
@@ -275,13 +281,16 @@ def boxes(*answers, sep=r" \text{ and } "):
     return "The answers are " + sep.join(rf"$\boxed{{{a}}}$" for a in answers) + "."
 
 
-@pytest.mark.parametrize("answers,reference", [
-    (["(2, 2)", "(6, 2)"], "(2, 2), (6, 2)"),        # a set of tuples
-    (["1", "2", "3"], r"\{1, 2, 3\}"),                 # a set
-    (["k = 45", "n = 2"], "k = 45, n = 2"),            # several equations
-    ([r"1 - \sqrt{2}", r"1 + \sqrt{2}"], r"x_1 = 1 + \sqrt{2}, x_2 = 1 - \sqrt{2}"),
-    (["6", "8"], r"6 \text{ and } 8"),
-])
+@pytest.mark.parametrize(
+    "answers,reference",
+    [
+        (["(2, 2)", "(6, 2)"], "(2, 2), (6, 2)"),  # a set of tuples
+        (["1", "2", "3"], r"\{1, 2, 3\}"),  # a set
+        (["k = 45", "n = 2"], "k = 45, n = 2"),  # several equations
+        ([r"1 - \sqrt{2}", r"1 + \sqrt{2}"], r"x_1 = 1 + \sqrt{2}, x_2 = 1 - \sqrt{2}"),
+        (["6", "8"], r"6 \text{ and } 8"),
+    ],
+)
 def test_one_part_per_box_answers_a_reference_of_as_many_parts(answers, reference):
     assert mathtask.grade(boxes(*answers), reference) is True
 
@@ -304,8 +313,16 @@ def test_earlier_boxes_are_overruled_by_the_last_k_as_one_box_is_by_the_last():
     assert mathtask.grade(boxes("1", "2", "3", "7"), "1, 2, 3") is False
 
 
-@pytest.mark.parametrize("completion", [
-    boxes("5", "6"), boxes("6", "5", "6"), boxes(*range(10)), boxes("4", "5", "6"), boxes("5", "5, 6")])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        boxes("5", "6"),
+        boxes("6", "5", "6"),
+        boxes(*range(10)),
+        boxes("4", "5", "6"),
+        boxes("5", "5, 6"),
+    ],
+)
 def test_a_single_answer_problem_reads_the_last_box_alone_however_many_there_are(completion):
     assert mathtask.grade(completion, "5") is False
 
@@ -316,13 +333,17 @@ def test_a_box_holding_a_list_is_not_one_part():
 
 
 @pytest.mark.parametrize("answers,reference", [(["1", "2"], "(1, 2)"), (["-2", "7"], "[-2, 7]")])
-def test_a_tuple_or_interval_is_one_part_so_its_coordinates_cannot_be_boxed_apart(answers, reference):
+def test_a_tuple_or_interval_is_one_part_so_its_coordinates_cannot_be_boxed_apart(
+    answers, reference
+):
     assert mathtask.grade(boxes(*answers), reference) is False  # the brackets would go unsaid
 
 
 def test_an_empty_box_among_the_last_k_is_no_part():
     assert mathtask.grade(r"\boxed{1} \boxed{} \boxed{3}", "1, 2, 3") is False
-    assert mathtask.grade(r"\boxed{1} \boxed{2} \boxed{3", "1, 2, 3") is False  # nor an unterminated last one
+    assert (
+        mathtask.grade(r"\boxed{1} \boxed{2} \boxed{3", "1, 2, 3") is False
+    )  # nor an unterminated last one
 
 
 def test_a_list_in_the_last_box_still_answers_alone_among_other_boxes():
@@ -338,10 +359,10 @@ PARTS_CASES = [
     (r"6 \text{ and } 8", 2),
     ("-12;-11;-10", 3),
     (r"\frac{1}{2}, 3", 2),
-    (r"(3, \frac{\pi}{2})", 1),       # a tuple: one answer
-    ("[-2, 7)", 1),                   # an interval
-    ("32,349", 1),                    # thousands
-    (r"\{1\} \cup \{2, 3\}", 1),      # braces that open and close inside are not the set's
+    (r"(3, \frac{\pi}{2})", 1),  # a tuple: one answer
+    ("[-2, 7)", 1),  # an interval
+    ("32,349", 1),  # thousands
+    (r"\{1\} \cup \{2, 3\}", 1),  # braces that open and close inside are not the set's
 ]
 
 
@@ -355,10 +376,13 @@ SOLUTION_CASES = [
     (r"so $n = \boxed{1}$ and $n = \boxed{-2}$.", "1, -2"),
     (r"$\boxed{1}\boxed{2}$", "1, 2"),
     (r"\boxed{1} papers and \boxed{2} bins", "1, 2"),
-    (r"so $x = \boxed{3}$. Then the area is $\boxed{12}$.", "12"),   # prose between: a step on the way
+    (
+        r"so $x = \boxed{3}$. Then the area is $\boxed{12}$.",
+        "12",
+    ),  # prose between: a step on the way
     (r"\boxed{1} no no no no no \boxed{2}", "2"),
     (r"\boxed{1} and \boxed{}", None),
-    (r"\boxed{} and \boxed{2}", "2"),                 # an empty box ends the list
+    (r"\boxed{} and \boxed{2}", "2"),  # an empty box ends the list
     ("no box", None),
 ]
 
@@ -389,10 +413,14 @@ def test_redundant_braces_at_any_depth(depth):
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(["{", "}", " ", "5", "\\{", "\\}", "\\\\"]), max_size=14).map("".join))
+@given(
+    st.lists(st.sampled_from(["{", "}", " ", "5", "\\{", "\\}", "\\\\"]), max_size=14).map("".join)
+)
 def test_stripping_braces_in_one_pass_matches_peeling_them_one_at_a_time(text):
     text = text.strip()
-    peeled = text  # the definition, quadratic: while the first brace closes at the very end, drop it
+    peeled = (
+        text  # the definition, quadratic: while the first brace closes at the very end, drop it
+    )
     while peeled.startswith("{") and mathtask._box_end(peeled, 0) == len(peeled):
         peeled = peeled[1:-1].strip()
     assert mathtask._strip_wrapping_braces(text) == peeled
@@ -405,8 +433,8 @@ FORMAT_CASES = [
     (r"**\boxed{5}**", True),
     (r"\boxed {5}", True),
     (r"\fbox{5}", True),
-    (r"\boxed{5} and that is all.", False),          # not at the end
-    (r"\boxed{5} \boxed{5}", False),                 # not once
+    (r"\boxed{5} and that is all.", False),  # not at the end
+    (r"\boxed{5} \boxed{5}", False),  # not once
     (r"\boxed{4} ... \boxed{5}", False),
     (r"\boxed{}", False),
     (r"\boxed{5", False),
@@ -420,14 +448,56 @@ def test_format_ok(completion, ok):
     assert mathtask.format_ok(completion) is ok
 
 
-latex = st.lists(st.sampled_from([
-    "\\boxed", "\\fbox", "{", "}", "\\frac", "1", "2", "0.5", "x", "^", "_", "\\sqrt", ",", ".", "-", " ",
-    "\\text{", "cm", "\u03c0", "\u00b0", "\\left(", "\\right)", "\\infty", "\\{", "\\}", "=", "\\pm", "or",
-    "%", "\\%", "[", ")", "\\", "$", "\\!", "\uff11"]), max_size=25).map("".join)
+latex = st.lists(
+    st.sampled_from(
+        [
+            "\\boxed",
+            "\\fbox",
+            "{",
+            "}",
+            "\\frac",
+            "1",
+            "2",
+            "0.5",
+            "x",
+            "^",
+            "_",
+            "\\sqrt",
+            ",",
+            ".",
+            "-",
+            " ",
+            "\\text{",
+            "cm",
+            "\u03c0",
+            "\u00b0",
+            "\\left(",
+            "\\right)",
+            "\\infty",
+            "\\{",
+            "\\}",
+            "=",
+            "\\pm",
+            "or",
+            "%",
+            "\\%",
+            "[",
+            ")",
+            "\\",
+            "$",
+            "\\!",
+            "\uff11",
+        ]
+    ),
+    max_size=25,
+).map("".join)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(completion=st.one_of(latex, st.text(max_size=100)), reference=st.one_of(latex, st.text(max_size=20)))
+@given(
+    completion=st.one_of(latex, st.text(max_size=100)),
+    reference=st.one_of(latex, st.text(max_size=20)),
+)
 def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     mathtask._equivalent.cache_clear()  # the second call must recompute, not read the cache
     first = mathtask.grade(completion, reference)
@@ -437,7 +507,10 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
 
 
 # ---- verdicts, as properties over random numbers ----------------------------------------------------
-rationals = st.one_of(st.integers(-10**7, 10**7).map(Fraction), st.builds(Fraction, st.integers(-10**7, 10**7), st.integers(1, 64)))
+rationals = st.one_of(
+    st.integers(-(10**7), 10**7).map(Fraction),
+    st.builds(Fraction, st.integers(-(10**7), 10**7), st.integers(1, 64)),
+)
 
 
 def as_latex(q):
@@ -454,20 +527,41 @@ def equivalent_forms(draw, q):
     n, d = abs(q.numerator), q.denominator
     forms = []
     if d == 1:
-        forms += [sign + str(n), sign + str(n) + ".0", sign + str(n) + "^\\circ", sign + str(n) + "\\%",
-                  sign + str(n) + "\\text{ cm}", f"{sign}\\frac{{{2 * n}}}{{2}}"]
+        forms += [
+            sign + str(n),
+            sign + str(n) + ".0",
+            sign + str(n) + "^\\circ",
+            sign + str(n) + "\\%",
+            sign + str(n) + "\\text{ cm}",
+            f"{sign}\\frac{{{2 * n}}}{{2}}",
+        ]
         if n >= 1000:
             forms += [sign + f"{n:,}", sign + f"{n:,}".replace(",", "{,}")]
     else:
         k = draw(st.integers(2, 5))
-        forms += [f"{sign}\\frac{{{n}}}{{{d}}}", f"{sign}\\dfrac{{{n}}}{{{d}}}", f"{sign}{n}/{d}",
-                  f"{sign}\\frac{{{k * n}}}{{{k * d}}}", f"\\frac{{{'-' if q < 0 else ''}{n}}}{{{d}}}"]
+        forms += [
+            f"{sign}\\frac{{{n}}}{{{d}}}",
+            f"{sign}\\dfrac{{{n}}}{{{d}}}",
+            f"{sign}{n}/{d}",
+            f"{sign}\\frac{{{k * n}}}{{{k * d}}}",
+            f"\\frac{{{'-' if q < 0 else ''}{n}}}{{{d}}}",
+        ]
         if n < 10 and d < 10:
             forms.append(f"{sign}\\frac{n}{d}")
         if 10**6 % d == 0:
             forms.append(sign + str(Fraction(n, d).numerator * (10**6 // d) / 10**6).rstrip("0"))
     answer = draw(st.sampled_from(forms))
-    box = draw(st.sampled_from(["\\boxed{{{}}}", "\\boxed {{{}}}", "\\fbox{{{}}}", "\\boxed{{{{{}}}}}", "\\boxed{{\\displaystyle {}}}"]))
+    box = draw(
+        st.sampled_from(
+            [
+                "\\boxed{{{}}}",
+                "\\boxed {{{}}}",
+                "\\fbox{{{}}}",
+                "\\boxed{{{{{}}}}}",
+                "\\boxed{{\\displaystyle {}}}",
+            ]
+        )
+    )
     work = draw(st.text("abcxyz =+0123456789.", max_size=30))
     return f"{work} so the answer is ${box.format(answer)}$."
 
@@ -493,20 +587,29 @@ def test_fuzz_the_last_box_binds(a, b):
     if a == b:
         return
     completion = f"\\boxed{{{as_latex(a)}}} no, \\boxed{{{as_latex(b)}}}"
-    assert mathtask.grade(completion, as_latex(b)) is True and mathtask.grade(completion, as_latex(a)) is False
+    assert (
+        mathtask.grade(completion, as_latex(b)) is True
+        and mathtask.grade(completion, as_latex(a)) is False
+    )
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)  # hedges are settled by the sympy worker: slower
+@settings(
+    max_examples=10, deadline=None, derandomize=True
+)  # hedges are settled by the sympy worker: slower
 @given(a=rationals, b=rationals)
 def test_fuzz_a_hedge_pays_for_neither_answer(a, b):
     if a == b:
         return
     for hedge in (f"{as_latex(a)} \\text{{ or }} {as_latex(b)}", f"{as_latex(a)}, {as_latex(b)}"):
-        assert mathtask.grade(boxed(hedge), as_latex(a)) is False and mathtask.grade(boxed(hedge), as_latex(b)) is False
+        assert (
+            mathtask.grade(boxed(hedge), as_latex(a)) is False
+            and mathtask.grade(boxed(hedge), as_latex(b)) is False
+        )
 
 
 def test_adversarial_inputs_are_bounded_and_raise_nothing():
     from scripts.bench_verifiers import adversarial_cases
+
     for name, task, completion, reference in adversarial_cases():
         if task is mathtask:
             assert isinstance(mathtask.grade(completion, reference), bool), name
@@ -515,15 +618,20 @@ def test_adversarial_inputs_are_bounded_and_raise_nothing():
 
 
 # The size guard bounds b^e by e's value: a fraction in the exponent makes it smaller, not bigger.
-@pytest.mark.parametrize("answer,reference", [
-    (r"10^{\frac{\sqrt{13} - 5}{6}}", r"10^{\frac{-5+\sqrt{13}}{6}}"),
-    (r"2^{\frac{\sqrt{2}}{2}}", r"\sqrt{2}^{\sqrt{2}}"),
-])
+@pytest.mark.parametrize(
+    "answer,reference",
+    [
+        (r"10^{\frac{\sqrt{13} - 5}{6}}", r"10^{\frac{-5+\sqrt{13}}{6}}"),
+        (r"2^{\frac{\sqrt{2}}{2}}", r"\sqrt{2}^{\sqrt{2}}"),
+    ],
+)
 def test_a_power_with_a_fraction_in_its_exponent_is_compared_not_refused(answer, reference):
     assert mathtask.grade(boxed(answer), reference) is True
 
 
-@pytest.mark.parametrize("answer", [r"2^{30000000}", r"2^{10^{7} + 1}", r"2^{3 \cdot 10^{7}}", r"2^{10^{-20000}}"])
+@pytest.mark.parametrize(
+    "answer", [r"2^{30000000}", r"2^{10^{7} + 1}", r"2^{3 \cdot 10^{7}}", r"2^{10^{-20000}}"]
+)
 def test_a_power_too_big_to_compute_exactly_is_still_refused(answer):
     parse, _ = math_sandbox._sympy_tools()  # parsing builds the tree unevaluated: cheap
     assert math_sandbox._digits(parse(mathtask.normalize(answer)), [2000]) > math_sandbox.MAX_DIGITS
@@ -532,11 +640,17 @@ def test_a_power_too_big_to_compute_exactly_is_still_refused(answer):
 def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
     import sympy
     import sympy.parsing.sympy_parser as sympy_parser
+
     monkeypatch.setattr(math_sandbox, "USE_WORKER", False)  # run sympy in this process, under watch
     pwned = tmp_path / "pwned"
-    payloads = [f"__import__('os').system('touch {pwned}')", f"eval(\"open('{pwned}','w')\")",
-                f"\\text{{__import__('os').system('touch {pwned}')}}", "x.__class__.__mro__",
-                "lambda: 0", f"exec('open(\"{pwned}\", \"w\")')"]
+    payloads = [
+        f"__import__('os').system('touch {pwned}')",
+        f"eval(\"open('{pwned}','w')\")",
+        f"\\text{{__import__('os').system('touch {pwned}')}}",
+        "x.__class__.__mro__",
+        "lambda: 0",
+        f'exec(\'open("{pwned}", "w")\')',
+    ]
     honest = [(boxed(a), r, v) for a, r, v in EQUIV_CASES if "import" not in a]
     for completion, ref, _ in honest + [(boxed(p), "0", False) for p in payloads]:
         mathtask.grade(completion, ref)  # warm up: sympy's lazy imports happen before the guard
@@ -551,14 +665,20 @@ def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
             if isinstance(a, str) and only_if(a):
                 return refuse(a)
             return real(a, *args, **kwargs)
+
         return guarded
+
     # sympify / parse_expr turn text into Python: refused outright. eval / exec are refused on
     # anything carrying the payloads' fingerprints (sympy exec()s polynomial code it writes itself).
     tainted = lambda text: any(t in text for t in ("__import__", "pwned", "__class__", "lambda"))
     monkeypatch.setattr(builtins, "eval", refuse_strings(builtins.eval, tainted))
     monkeypatch.setattr(builtins, "exec", refuse_strings(builtins.exec, tainted))
-    for mod in [m for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType)
-                and name.split(".")[0] in ("sympy", "latex2sympy2_extended", "math_verify", "tasks")]:
+    for mod in [
+        m
+        for name, m in list(sys.modules.items())
+        if isinstance(m, types.ModuleType)
+        and name.split(".")[0] in ("sympy", "latex2sympy2_extended", "math_verify", "tasks")
+    ]:
         if getattr(mod, "sympify", None) is sympy.sympify:
             monkeypatch.setattr(mod, "sympify", refuse_strings(sympy.sympify))
         if getattr(mod, "parse_expr", None) is sympy_parser.parse_expr:
@@ -574,7 +694,10 @@ def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
 
 def test_worker_does_not_execute_payloads(tmp_path):
     pwned = tmp_path / "pwned"
-    for payload in [f"__import__('os').system('touch {pwned}')", f"\\text{{__import__('os').system('touch {pwned}')}}"]:
+    for payload in [
+        f"__import__('os').system('touch {pwned}')",
+        f"\\text{{__import__('os').system('touch {pwned}')}}",
+    ]:
         mathtask._equivalent.cache_clear()
         assert mathtask.grade(boxed(payload), "5") is False
     assert not pwned.exists()
@@ -596,7 +719,7 @@ def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
         m.setattr(math_sandbox, "_cpu_seconds", lambda pid: time.monotonic() * 100)
         mathtask._equivalent.cache_clear()
         assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is False
-    assert old.poll() is not None                        # the stuck worker was killed
+    assert old.poll() is not None  # the stuck worker was killed
     mathtask._equivalent.cache_clear()
     assert mathtask.grade(boxed("(x+1)^3"), "x^3+3x^2+3x+1") is True  # and a fresh one serves
 
@@ -613,6 +736,7 @@ def test_a_starved_worker_is_waited_for(monkeypatch):
 
 def test_math_verify_regression_cases_give_no_false_pass_and_only_accepted_false_fails():
     from scripts.check_math_verify_cases import CASES, check
+
     with open(CASES, encoding="utf-8") as f:
         cases = json.load(f)["cases"]
     agree, false_pass, accepted, other = check(cases)
@@ -620,16 +744,28 @@ def test_math_verify_regression_cases_give_no_false_pass_and_only_accepted_false
 
 
 # --- the task-module interface, with handwritten rows in the real schemas ---------------------
-TRAIN_ROW = {"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra",
-             "solution": r"We have $1+1=\boxed{2}$."}
-TEST_ROW = {"problem": "What is $2+2$?", "solution": r"$2+2=\boxed{4}$.", "answer": "4",
-            "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"}
+TRAIN_ROW = {
+    "problem": "What is $1+1$?",
+    "level": "Level 1",
+    "type": "Algebra",
+    "solution": r"We have $1+1=\boxed{2}$.",
+}
+TEST_ROW = {
+    "problem": "What is $2+2$?",
+    "solution": r"$2+2=\boxed{4}$.",
+    "answer": "4",
+    "subject": "Prealgebra",
+    "level": 1,
+    "unique_id": "test/prealgebra/1.json",
+}
 
 
 def test_reference_prompt_and_solution():
     assert mathtask.reference(TRAIN_ROW) == "2"  # train rows: the last box of the solution
-    assert mathtask.reference(TEST_ROW) == "4"   # MATH-500 rows: the answer column
-    assert mathtask.prompt(TEST_ROW).startswith("What is $2+2$?") and "\\boxed{" in mathtask.prompt(TEST_ROW)
+    assert mathtask.reference(TEST_ROW) == "4"  # MATH-500 rows: the answer column
+    assert mathtask.prompt(TEST_ROW).startswith("What is $2+2$?") and "\\boxed{" in mathtask.prompt(
+        TEST_ROW
+    )
     assert mathtask.grade(mathtask.solution(TRAIN_ROW), mathtask.reference(TRAIN_ROW))
 
 
@@ -643,6 +779,7 @@ def fake_datasets(monkeypatch, fail=False):
         if name == mathtask.TEST_DATASET:
             return [TEST_ROW]
         return [dict(TRAIN_ROW, type=config, problem=f"{config} {i}") for i in range(2)]
+
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     return seen
 
@@ -653,7 +790,9 @@ def test_load_train_uses_the_train_split_of_every_subject(monkeypatch):
     assert {split for _, _, split in seen} == {"train"}
     assert [c for _, c, _ in seen] == list(mathtask.TRAIN_CONFIGS)
     assert len(rows) == 14 and set(rows[0]) == {"problem", "level", "type", "solution"}
-    assert [r["type"] for r in mathtask.load("train", limit=7)] == list(mathtask.TRAIN_CONFIGS)  # interleaved
+    assert [r["type"] for r in mathtask.load("train", limit=7)] == list(
+        mathtask.TRAIN_CONFIGS
+    )  # interleaved
 
 
 def test_load_test_is_math500(monkeypatch):

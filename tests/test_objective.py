@@ -25,9 +25,20 @@ NORMS = ("kept_tokens", "all_tokens", "sequence")
 
 
 def small_model(seed=0):
-    model = GPT(GPTConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, tie_word_embeddings=False)).init_weights(seed)
-    with torch.no_grad():  # logits of order 1, not the init's near-uniform ones: the temperature then matters
+    model = GPT(
+        GPTConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    ).init_weights(seed)
+    with (
+        torch.no_grad()
+    ):  # logits of order 1, not the init's near-uniform ones: the temperature then matters
         model.lm_head.weight.mul_(100)
     return model
 
@@ -45,22 +56,31 @@ def assert_same_grads(a, b):
 
 def direct_logp(model, inputs, targets, temperature):
     """log_softmax(logits / temperature) of every target, straight from all the logits; 0 where target is -1."""
-    logp = torch.log_softmax(model(inputs) / temperature, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    logp = torch.log_softmax(model(inputs) / temperature, dim=-1).gather(
+        -1, targets.clamp(min=0)[..., None]
+    )[..., 0]
     return logp.masked_fill(targets < 0, 0.0)
 
 
 def test_the_chunked_nll_at_a_temperature_is_minus_log_softmax_of_logits_over_t():
     gen = torch.Generator().manual_seed(0)
-    idx, targets = torch.randint(0, V, (3, 10), generator=gen), torch.randint(0, V, (3, 10), generator=gen)
+    idx, targets = (
+        torch.randint(0, V, (3, 10), generator=gen),
+        torch.randint(0, V, (3, 10), generator=gen),
+    )
     targets[0, :4], targets[2, 7:] = -1, -1  # a prompt, padding
     weight = torch.randn(3, 10, generator=gen)
     model, reference = small_model(), small_model()
-    nll = model(idx, targets, loss_reduction="none", logits_per_chunk=4 * V, temperature=T)  # 23 targets: 6 chunks
+    nll = model(
+        idx, targets, loss_reduction="none", logits_per_chunk=4 * V, temperature=T
+    )  # 23 targets: 6 chunks
     (nll * weight).sum().backward()
     expected = -direct_logp(reference, idx, targets, T)
     (expected * weight).sum().backward()
     torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
-    assert (nll - model(idx, targets, loss_reduction="none")).abs().max() > 0.1  # T = 0.7 is not T = 1 here
+    assert (
+        nll - model(idx, targets, loss_reduction="none")
+    ).abs().max() > 0.1  # T = 0.7 is not T = 1 here
     assert_same_grads(grads(model), grads(reference))
 
 
@@ -73,9 +93,13 @@ def rollouts(seed=0, num_groups=4):
     gen = torch.Generator().manual_seed(seed)
     sequences, masks = [], []
     for _ in range(num_groups):
-        prompt = torch.randint(0, V, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        prompt = torch.randint(
+            0, V, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen
+        ).tolist()
         for _ in range(NUM_SAMPLES):
-            completion = torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+            completion = torch.randint(
+                0, V, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen
+            ).tolist()
             sequences.append(prompt + completion)
             # every third token after the first forced by a tool (mask 0): inside the completion, never a target
             masks.append([0] * len(prompt) + [int(j % 3 != 1) for j in range(len(completion))])
@@ -96,7 +120,10 @@ def reference_backward(model, sequences, masks, advantages, loss_norm, temperatu
     if loss_norm == "sequence":
         loss = -(advantages * logp.sum(dim=1) / tokens).sum() / len(sequences)
     else:
-        loss = -(advantages * logp.sum(dim=1)).sum() / (tokens[kept] if loss_norm == "kept_tokens" else tokens).sum()
+        loss = (
+            -(advantages * logp.sum(dim=1)).sum()
+            / (tokens[kept] if loss_norm == "kept_tokens" else tokens).sum()
+        )
     loss.backward()
     return loss.detach()
 
@@ -110,12 +137,26 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
     model, reference = small_model(), small_model()
     monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 3 * V)  # the head in chunks of 3 tokens
     passes, fast = [], logprobs.fast_logprobs
-    counted = lambda model, inputs, targets, temperature, **kw: passes.append(((targets >= 0).sum(), temperature)) or fast(
-        model, inputs, targets, temperature, **kw)  # noqa: E731
-    loss, tokens = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 3, loss_norm, "cpu",
-                                                    temperature=T, logprobs=counted)
+    counted = lambda model, inputs, targets, temperature, **kw: (
+        passes.append(((targets >= 0).sum(), temperature))
+        or fast(model, inputs, targets, temperature, **kw)
+    )  # noqa: E731
+    loss, tokens = chat_rl.policy_gradient_backward(
+        model,
+        sequences,
+        masks,
+        advantages,
+        NUM_SAMPLES,
+        3,
+        loss_norm,
+        "cpu",
+        temperature=T,
+        logprobs=counted,
+    )
     expected = reference_backward(reference, sequences, masks, advantages, loss_norm, T)
-    assert len(passes) == 2 and all(n > 3 and t == T for n, t in passes)  # two micro-batches, several chunks each
+    assert len(passes) == 2 and all(
+        n > 3 and t == T for n, t in passes
+    )  # two micro-batches, several chunks each
     assert tokens == sum(sum(m[1:]) for m, kept in zip(masks, kept_rows(advantages)) if kept)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(grads(model), grads(reference))
@@ -137,25 +178,48 @@ def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_s
 
 
 # group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5]; groups 1 and 2 unanimous
-HAND_SEQS = [[9, 9, 1, 2, 3], [9, 9, 4, 5], [9, 7, 1], [9, 7, 2], [8, 8, 8, 3, 3, 3, 3], [8, 8, 8, 6]]
-HAND_MASKS = [[0, 0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1], [0, 0, 1], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1]]
+HAND_SEQS = [
+    [9, 9, 1, 2, 3],
+    [9, 9, 4, 5],
+    [9, 7, 1],
+    [9, 7, 2],
+    [8, 8, 8, 3, 3, 3, 3],
+    [8, 8, 8, 6],
+]
+HAND_MASKS = [
+    [0, 0, 1, 1, 1],
+    [0, 0, 1, 1],
+    [0, 0, 1],
+    [0, 0, 1],
+    [0, 0, 0, 1, 1, 1, 1],
+    [0, 0, 0, 1],
+]
 HAND_REWARDS = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("loss_norm,expected", [
-    # sum of logp * adv = 0.5 * -(1 + 2 + 3) - 0.5 * -(4 + 5) = 1.5
-    ("kept_tokens", -1.5 / 5),                  # group 0's 3 + 2 sampled tokens
-    ("all_tokens", -1.5 / 12),                  # every group's: 5 + (1 + 1) + (4 + 1)
-    ("sequence", -(0.5 * -6 / 3 - 0.5 * -9 / 2) / 6),  # each completion's mean first, then over all 6 completions
-])
+@pytest.mark.parametrize(
+    "loss_norm,expected",
+    [
+        # sum of logp * adv = 0.5 * -(1 + 2 + 3) - 0.5 * -(4 + 5) = 1.5
+        ("kept_tokens", -1.5 / 5),  # group 0's 3 + 2 sampled tokens
+        ("all_tokens", -1.5 / 12),  # every group's: 5 + (1 + 1) + (4 + 1)
+        (
+            "sequence",
+            -(0.5 * -6 / 3 - 0.5 * -9 / 2) / 6,
+        ),  # each completion's mean first, then over all 6 completions
+    ],
+)
 def test_each_normaliser_divides_by_what_its_name_says(loss_norm, expected):
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(HAND_REWARDS, num_samples=2)
-    loss, tokens = chat_rl.policy_gradient_backward(model, HAND_SEQS, HAND_MASKS, adv, 2, 8, loss_norm, "cpu",
-                                                    logprobs=linear_logprobs)
+    loss, tokens = chat_rl.policy_gradient_backward(
+        model, HAND_SEQS, HAND_MASKS, adv, 2, 8, loss_norm, "cpu", logprobs=linear_logprobs
+    )
     assert loss.item() == pytest.approx(expected)
     assert model.w.grad.item() == pytest.approx(expected)  # the loss is linear in w, and w = 1
-    assert model.rows == 2 and tokens == 5  # the unanimous groups never reach the model, whatever the normaliser
+    assert (
+        model.rows == 2 and tokens == 5
+    )  # the unanimous groups never reach the model, whatever the normaliser
 
 
 def test_kept_tokens_is_all_tokens_scaled_by_all_over_kept():
@@ -164,12 +228,15 @@ def test_kept_tokens_is_all_tokens_scaled_by_all_over_kept():
     results = {}
     for loss_norm in ("kept_tokens", "all_tokens"):
         model = small_model()
-        _, kept = chat_rl.policy_gradient_backward(model, sequences, masks, advantages, NUM_SAMPLES, 8, loss_norm, "cpu",
-                                                   temperature=T)
+        _, kept = chat_rl.policy_gradient_backward(
+            model, sequences, masks, advantages, NUM_SAMPLES, 8, loss_norm, "cpu", temperature=T
+        )
         results[loss_norm] = grads(model)
     ratio = sum(sum(m[1:]) for m in masks) / kept
     assert ratio > 1.5  # the unanimous groups hold a good share of the tokens
-    assert_same_grads(results["kept_tokens"], {n: g * ratio for n, g in results["all_tokens"].items()})
+    assert_same_grads(
+        results["kept_tokens"], {n: g * ratio for n, g in results["all_tokens"].items()}
+    )
 
 
 # ---- two ranks, each with a group that carries signal and a unanimous one: every normaliser counts both ranks' rows
@@ -177,12 +244,21 @@ def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     sequences, masks = rollouts(seed=10 + rank, num_groups=2)
-    rewards = REWARDS[6 * rank:6 * rank + 6]
+    rewards = REWARDS[6 * rank : 6 * rank + 6]
     result = {}
     for loss_norm in NORMS:
         model = small_model()
-        chat_rl.policy_gradient_backward(model, sequences, masks, chat_rl.compute_advantages(rewards, NUM_SAMPLES),
-                                         NUM_SAMPLES, 8, loss_norm, "cpu", temperature=T)
+        chat_rl.policy_gradient_backward(
+            model,
+            sequences,
+            masks,
+            chat_rl.compute_advantages(rewards, NUM_SAMPLES),
+            NUM_SAMPLES,
+            8,
+            loss_norm,
+            "cpu",
+            temperature=T,
+        )
         chat_rl.sync_gradients(model)
         result[loss_norm] = grads(model)
     torch.save(result, os.path.join(out_dir, f"grads{rank}.pt"))
@@ -192,13 +268,17 @@ def _worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def two_rank_grads(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    mp.start_processes(_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True, start_method="spawn"
+    )
     return [torch.load(out / f"grads{r}.pt") for r in range(2)]
 
 
 @pytest.mark.parametrize("loss_norm", NORMS)
 def test_two_ranks_sum_to_one_process_over_every_row(loss_norm, two_rank_grads):
-    sequences, masks = (sum(parts, []) for parts in zip(*(rollouts(seed=10 + r, num_groups=2) for r in range(2))))
+    sequences, masks = (
+        sum(parts, []) for parts in zip(*(rollouts(seed=10 + r, num_groups=2) for r in range(2)))
+    )
     advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)
     reference = small_model()
     reference_backward(reference, sequences, masks, advantages, loss_norm, T)
@@ -208,7 +288,9 @@ def test_two_ranks_sum_to_one_process_over_every_row(loss_norm, two_rank_grads):
 
 # ---- the flag and the checkpoints of its earlier name
 def test_the_earlier_name_token_is_refused_with_its_new_one():
-    cfg = flags.parse_config(["--preset=demo", "--loss-norm=token"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--preset=demo", "--loss-norm=token"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     with pytest.raises(flags.ConfigError, match="--loss-norm=token is now kept_tokens"):
         flags.check_config(cfg, world_size=1)
 
@@ -216,10 +298,19 @@ def test_the_earlier_name_token_is_refused_with_its_new_one():
 def test_a_checkpoint_saved_with_token_resumes_as_kept_tokens(tmp_path):
     folder = tmp_path / "step_000003"
     small_model().save_pretrained(str(folder))
-    old = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    old = flags.parse_config(
+        ["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     config = {**vars(old), "loss_norm": "token"}
-    torch.save({"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": config}, folder / "trainer_state.pt")
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}", "--loss-norm=kept_tokens"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    torch.save(
+        {"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": config},
+        folder / "trainer_state.pt",
+    )
+    cfg = flags.parse_config(
+        ["--preset=demo", f"--out-dir={tmp_path}", "--loss-norm=kept_tokens"],
+        chat_rl.HYPERPARAMETERS,
+        chat_rl.PRESETS,
+    )
     assert checkpoint.find_resumable(cfg, world=1)[0] == 3
     cfg.loss_norm = "all_tokens"
     with pytest.raises(flags.ConfigError, match=r"loss_norm \('kept_tokens' -> 'all_tokens'\)"):
@@ -228,19 +319,42 @@ def test_a_checkpoint_saved_with_token_resumes_as_kept_tokens(tmp_path):
 
 def test_train_hands_the_rollout_temperature_and_the_normaliser_to_the_loss(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
-    GPT(GPTConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1)).init_weights(0).save_pretrained(str(model_dir))
+    GPT(
+        GPTConfig(
+            vocab_size=264,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).init_weights(0).save_pretrained(str(model_dir))
     ByteTokenizer().save_pretrained(str(model_dir))
     seen, real = [], chat_rl.policy_gradient_backward
+
     def spy(*args, **kwargs):
         given = inspect.signature(real).bind(*args, **kwargs).arguments
         seen.append((given["loss_norm"], given["temperature"], given["vocab_size"]))
         return real(*args, **kwargs)
+
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
-    code = chat_rl.main(["--preset=demo", f"--model={model_dir}", f"--out-dir={tmp_path / 'run'}", "--num-steps=1",
-                         "--examples-per-step=2", "--num-samples=2", "--max-new-tokens=3", "--eval-every=-1",
-                         "--temperature=0.6", "--loss-norm=sequence"])
-    assert code == 0 and seen == [("sequence", 0.6, ByteTokenizer().vocab_size)]  # the sampler's vocabulary, not the 264 rows
+    code = chat_rl.main(
+        [
+            "--preset=demo",
+            f"--model={model_dir}",
+            f"--out-dir={tmp_path / 'run'}",
+            "--num-steps=1",
+            "--examples-per-step=2",
+            "--num-samples=2",
+            "--max-new-tokens=3",
+            "--eval-every=-1",
+            "--temperature=0.6",
+            "--loss-norm=sequence",
+        ]
+    )
+    assert code == 0 and seen == [
+        ("sequence", 0.6, ByteTokenizer().vocab_size)
+    ]  # the sampler's vocabulary, not the 264 rows
 
 
 # --mask-truncated: rows 1, 5 and 7 were cut off by the budget (row 5's group is unanimous)
@@ -252,16 +366,28 @@ def test_mask_truncated_trains_no_cut_off_token_and_keeps_their_rewards_in_the_b
     sequences, masks = rollouts()
     advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)  # every row's reward, cut off too
     model, reference = small_model(), small_model()
-    chat_rl.policy_gradient_backward(model, sequences, chat_rl.without_truncated(masks, CUT),
-                                     advantages, NUM_SAMPLES, 3, loss_norm, "cpu", temperature=T)
+    chat_rl.policy_gradient_backward(
+        model,
+        sequences,
+        chat_rl.without_truncated(masks, CUT),
+        advantages,
+        NUM_SAMPLES,
+        3,
+        loss_norm,
+        "cpu",
+        temperature=T,
+    )
     # written out: L = -sum_{i finished} sum_{t in S_i} A_i logp_it / N_i, N_i over finished rows'
     # tokens (all_tokens, kept_tokens), or C * max(1, |S_i|) with C every row (sequence: TRL's grpo)
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     logp = direct_logp(reference, inputs, targets, T)
     finished = ~torch.tensor(CUT)
     tokens = (targets >= 0).sum(dim=1) * finished
-    normaliser = {"all_tokens": tokens.sum(), "kept_tokens": tokens[kept_rows(advantages)].sum(),
-                  "sequence": len(sequences) * tokens.clamp(min=1)}[loss_norm]
+    normaliser = {
+        "all_tokens": tokens.sum(),
+        "kept_tokens": tokens[kept_rows(advantages)].sum(),
+        "sequence": len(sequences) * tokens.clamp(min=1),
+    }[loss_norm]
     (-(finished * advantages * logp.sum(dim=1) / normaliser).sum()).backward()
     assert_same_grads(grads(model), grads(reference))
 
@@ -274,12 +400,26 @@ def test_train_masks_cut_off_completions_if_asked_after_the_advantages(flag, tmp
     def spy(*args, **kwargs):
         given.append(inspect.signature(backward).bind(*args, **kwargs).arguments)
         return backward(*args, **kwargs)
-    monkeypatch.setattr(chat_rl, "rollout",
-                        lambda *a, **k: rolled.append(rollout(*a, **k)) or rolled[-1])
+
+    monkeypatch.setattr(
+        chat_rl, "rollout", lambda *a, **k: rolled.append(rollout(*a, **k)) or rolled[-1]
+    )
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
-    assert chat_rl.main(["--preset=demo", f"--out-dir={tmp_path / 'run'}", "--num-steps=1",
-                         "--eval-every=-1", "--examples-per-step=4", "--num-samples=4",
-                         "--max-new-tokens=30", *flag]) == 0
+    assert (
+        chat_rl.main(
+            [
+                "--preset=demo",
+                f"--out-dir={tmp_path / 'run'}",
+                "--num-steps=1",
+                "--eval-every=-1",
+                "--examples-per-step=4",
+                "--num-samples=4",
+                "--max-new-tokens=30",
+                *flag,
+            ]
+        )
+        == 0
+    )
     out, args = rolled[0], given[0]
     assert 0 < sum(out["truncated"]) < len(out["truncated"])  # some cut off, some not
     every_reward = chat_rl.compute_advantages(torch.tensor(out["total"]), 4)

@@ -48,8 +48,9 @@ def frozen_model(model):
     return lambda: nullcontext(model)
 
 
-def written_out(policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None,
-                old=None):
+def written_out(
+    policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None, old=None
+):
     """L over every row, unanimous groups too, straight from the logits (r = exp(logp - old)):
         - sum_i sum_{t in S_i} min(r A_i, clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) A_i) / N_i
           (old None: - sum_i sum_{t in S_i} A_i logp / N_i)
@@ -61,9 +62,11 @@ def written_out(policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, re
     logp = base.direct_logp(policy, inputs, targets, T)
     tokens = sampled.sum(dim=1).float()
     kept = base.kept_rows(advantages) if kl_beta == 0 else torch.ones(len(sequences), dtype=bool)
-    N = {"all_tokens": tokens.sum().expand(len(sequences)),
-         "kept_tokens": tokens[kept].sum().expand(len(sequences)),
-         "sequence": len(sequences) * tokens.clamp(min=1)}[loss_norm][:, None]
+    N = {
+        "all_tokens": tokens.sum().expand(len(sequences)),
+        "kept_tokens": tokens[kept].sum().expand(len(sequences)),
+        "sequence": len(sequences) * tokens.clamp(min=1),
+    }[loss_norm][:, None]
     A, cut = advantages[:, None], (0, 0, 0)
     if old is None:
         per_token = -A * logp
@@ -72,9 +75,11 @@ def written_out(policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, re
             old_logp = base.direct_logp(old, inputs, targets, T)
         r = torch.exp(logp - old_logp)
         per_token = -torch.minimum(r * A, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * A)
-        cut = (int(((r < 1 - EPS_LOW) & (A < 0) & sampled).sum()),
-               int(((r > 1 + EPS_HIGH) & (A > 0) & sampled).sum()),
-               int(((r >= 1 - EPS_LOW) & (r <= 1 + EPS_HIGH) & (A != 0) & sampled).sum()))
+        cut = (
+            int(((r < 1 - EPS_LOW) & (A < 0) & sampled).sum()),
+            int(((r > 1 + EPS_HIGH) & (A > 0) & sampled).sum()),
+            int(((r >= 1 - EPS_LOW) & (r <= 1 + EPS_HIGH) & (A != 0) & sampled).sum()),
+        )
     if kl_beta:
         with torch.no_grad():
             ref = base.direct_logp(reference, inputs, targets, T)
@@ -84,8 +89,9 @@ def written_out(policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, re
     return loss.detach(), cut
 
 
-def two_epochs(sampler, policy, sequences, masks, advantages, loss_norm, logprobs, batch_rows=3,
-               **kwargs):
+def two_epochs(
+    sampler, policy, sequences, masks, advantages, loss_norm, logprobs, batch_rows=3, **kwargs
+):
     """--ppo-epochs=2 as train() runs it: the first epoch on the sampling policy (its log-probs
     kept), the second on `policy`, which has moved. Returns the second's (loss, kept tokens, stats);
     its gradient is in policy."""
@@ -94,8 +100,9 @@ def two_epochs(sampler, policy, sequences, masks, advantages, loss_norm, logprob
     kwargs.update(temperature=T, logprobs=logprobs, options=opts, saved=saved)
     chat_rl.policy_gradient_backward(sampler, sequences, masks, advantages, *args, **kwargs)
     stats = {}
-    loss, kept = chat_rl.policy_gradient_backward(policy, sequences, masks, advantages, *args,
-                                                  stats=stats, **kwargs)
+    loss, kept = chat_rl.policy_gradient_backward(
+        policy, sequences, masks, advantages, *args, stats=stats, **kwargs
+    )
     return loss, kept, stats
 
 
@@ -111,11 +118,29 @@ def test_the_kl_term_is_k3_over_n_on_every_row_at_a_moved_policy(path, loss_norm
     sequences, masks, advantages = step_zero()
     policy, expected_policy, stats = moved(base.small_model()), moved(base.small_model()), {}
     loss, kept = chat_rl.policy_gradient_backward(
-        policy, sequences, masks, advantages, NUM_SAMPLES, 3, loss_norm, "cpu", temperature=T,
-        logprobs=PATHS[path], options=options(kl_beta=BETA),
-        reference=frozen_model(base.small_model()), stats=stats)
-    expected, _ = written_out(expected_policy, sequences, masks, advantages, loss_norm,
-                              kl_beta=BETA, reference=base.small_model())
+        policy,
+        sequences,
+        masks,
+        advantages,
+        NUM_SAMPLES,
+        3,
+        loss_norm,
+        "cpu",
+        temperature=T,
+        logprobs=PATHS[path],
+        options=options(kl_beta=BETA),
+        reference=frozen_model(base.small_model()),
+        stats=stats,
+    )
+    expected, _ = written_out(
+        expected_policy,
+        sequences,
+        masks,
+        advantages,
+        loss_norm,
+        kl_beta=BETA,
+        reference=base.small_model(),
+    )
     assert kept == sum(sum(m[1:]) for m in masks)  # unanimous groups kept: the KL pulls on them
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
@@ -130,8 +155,14 @@ def test_at_the_start_the_kl_is_zero_and_the_gradient_the_policy_gradients():
     sequences, masks, advantages = step_zero()  # reference = policy: exp(0) - 0 - 1
     policy, plain, stats = base.small_model(), base.small_model(), {}
     args = (sequences, masks, advantages, NUM_SAMPLES, 3, "all_tokens", "cpu")
-    chat_rl.policy_gradient_backward(policy, *args, temperature=T, options=options(kl_beta=BETA),
-                                     reference=frozen_model(base.small_model()), stats=stats)
+    chat_rl.policy_gradient_backward(
+        policy,
+        *args,
+        temperature=T,
+        options=options(kl_beta=BETA),
+        reference=frozen_model(base.small_model()),
+        stats=stats,
+    )
     chat_rl.policy_gradient_backward(plain, *args, temperature=T)
     assert abs(float(stats["kl"])) < 1e-5
     base.assert_same_grads(base.grads(policy), base.grads(plain))
@@ -142,8 +173,18 @@ def test_with_the_kl_a_step_of_unanimous_groups_still_trains():
     advantages = chat_rl.compute_advantages(torch.ones(len(sequences)), NUM_SAMPLES)
     policy = moved(base.small_model())
     loss, kept = chat_rl.policy_gradient_backward(
-        policy, sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu", temperature=T,
-        options=options(kl_beta=BETA), reference=frozen_model(base.small_model()))
+        policy,
+        sequences,
+        masks,
+        advantages,
+        NUM_SAMPLES,
+        8,
+        "all_tokens",
+        "cpu",
+        temperature=T,
+        options=options(kl_beta=BETA),
+        reference=frozen_model(base.small_model()),
+    )
     assert kept > 0 and float(loss) > 0 and base.grads(policy)["lm_head.weight"].abs().max() > 0
 
 
@@ -156,17 +197,20 @@ def test_rows_with_gradient_are_the_groups_with_signal_or_with_the_kl_every_row(
 # ---- the clipped ratio ---------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_norm", NORMS)
 @pytest.mark.parametrize("path", PATHS)
-def test_the_second_epoch_is_the_clipped_surrogate_token_by_token_at_a_moved_policy(path,
-                                                                                   loss_norm):
+def test_the_second_epoch_is_the_clipped_surrogate_token_by_token_at_a_moved_policy(
+    path, loss_norm
+):
     # moved as far as one update might: of the 14 tokens with an advantage the clip cuts 2 below
     # and 1 above, leaves 8 inside (2 of them between 1 + EPS_LOW and 1 + EPS_HIGH), 3 are outside
     # on the side the min does not clip
     sequences, masks, advantages = step_zero()
     policy, expected_policy = (moved(base.small_model(), scale=0.005, seed=9) for _ in range(2))
-    loss, kept, stats = two_epochs(base.small_model(), policy, sequences, masks, advantages,
-                                   loss_norm, PATHS[path])
-    expected, cut = written_out(expected_policy, sequences, masks, advantages, loss_norm,
-                                old=base.small_model())
+    loss, kept, stats = two_epochs(
+        base.small_model(), policy, sequences, masks, advantages, loss_norm, PATHS[path]
+    )
+    expected, cut = written_out(
+        expected_policy, sequences, masks, advantages, loss_norm, old=base.small_model()
+    )
     assert cut == (2, 1, 8)
     assert float(stats["clip_frac"]) == 2 + 1
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
@@ -178,19 +222,35 @@ def test_the_ratio_and_the_kl_together(path):
     sequences, masks = base.rollouts(seed=2)
     advantages = chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES)
     policy, expected_policy = moved(base.small_model()), moved(base.small_model())
-    loss, _, stats = two_epochs(base.small_model(), policy, sequences, masks, advantages,
-                                "all_tokens", PATHS[path], opts=dict(kl_beta=BETA),
-                                reference=frozen_model(moved(base.small_model(), seed=3)))
-    expected, _ = written_out(expected_policy, sequences, masks, advantages, "all_tokens",
-                              kl_beta=BETA, reference=moved(base.small_model(), seed=3),
-                              old=base.small_model())
+    loss, _, stats = two_epochs(
+        base.small_model(),
+        policy,
+        sequences,
+        masks,
+        advantages,
+        "all_tokens",
+        PATHS[path],
+        opts=dict(kl_beta=BETA),
+        reference=frozen_model(moved(base.small_model(), seed=3)),
+    )
+    expected, _ = written_out(
+        expected_policy,
+        sequences,
+        masks,
+        advantages,
+        "all_tokens",
+        kl_beta=BETA,
+        reference=moved(base.small_model(), seed=3),
+        old=base.small_model(),
+    )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
     assert float(stats["kl"]) > 0 and float(stats["clip_frac"]) > 0
 
 
 def test_in_the_first_epoch_the_ratio_is_exactly_1_and_the_gradient_the_policy_gradients(
-        monkeypatch):
+    monkeypatch,
+):
     # the weights that sampled are the ones updated: the objective takes the pass's own log-probs as
     # the sampling policy's. The fast path's guess, made at ratio 1, then holds to the bit (its
     # backward pass compares): the head is projected once, as for the default loss, nothing clipped
@@ -200,19 +260,22 @@ def test_in_the_first_epoch_the_ratio_is_exactly_1_and_the_gradient_the_policy_g
     def watched(logp, batch):
         given.append(batch.old_logp)
         return objective(logp, batch)
+
     monkeypatch.setattr(chat_rl, "objective", watched)
     monkeypatch.setattr(fast, "nll_grads", lambda *a: recomputed.append(1) or nll_grads(*a))
     ppo, default, stats, saved = base.small_model(), base.small_model(), {}, fast.RolloutLogprobs()
     args = (sequences, masks, advantages, NUM_SAMPLES, 3, "all_tokens", "cpu")
-    chat_rl.policy_gradient_backward(ppo, *args, temperature=T, options=options(ppo_epochs=2),
-                                     saved=saved, stats=stats)
+    chat_rl.policy_gradient_backward(
+        ppo, *args, temperature=T, options=options(ppo_epochs=2), saved=saved, stats=stats
+    )
     assert not recomputed and float(stats["clip_frac"]) == 0
     assert given == [None] * 4  # 2 passes, each a guess and the pass itself
     chat_rl.policy_gradient_backward(default, *args, temperature=T)
     base.assert_same_grads(base.grads(ppo), base.grads(default))
     rows = [i for i, kept in enumerate(base.kept_rows(advantages)) if kept]  # kept: the sampler's
-    inputs, targets = chat_rl.make_batch([sequences[i] for i in rows], [masks[i] for i in rows],
-                                         "cpu")
+    inputs, targets = chat_rl.make_batch(
+        [sequences[i] for i in rows], [masks[i] for i in rows], "cpu"
+    )
     with torch.no_grad():
         expected = chat_rl.plain_logprobs(base.small_model(), inputs, targets, T)
     torch.testing.assert_close(saved.get("old_logp", rows), expected)
@@ -227,8 +290,17 @@ def test_after_the_first_miss_the_fast_path_is_told_no_guess_in_that_pass(monkey
     def counted(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
         told.append(loss_grad is not None)
         return fast.fast_logprobs(model, inputs, targets, temperature, loss_grad, vocab_size)
-    two_epochs(base.small_model(), moved(base.small_model()), sequences, masks, advantages,
-               "all_tokens", counted, batch_rows=2)
+
+    two_epochs(
+        base.small_model(),
+        moved(base.small_model()),
+        sequences,
+        masks,
+        advantages,
+        "all_tokens",
+        counted,
+        batch_rows=2,
+    )
     assert told == [True] * 3 + [True, False, False]  # 6 kept rows, 2 a pass: 3 passes an epoch
 
 
@@ -259,15 +331,18 @@ def test_lora_training_a_module_whole_has_no_base_to_measure_the_kl_to():
 
 
 # ---- the flags -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv,message", [
-    (["--kl-beta=-0.1"], "--kl-beta must be a finite number >= 0"),
-    (["--kl-beta=nan"], "--kl-beta must be a finite number >= 0"),
-    (["--ppo-epochs=0"], "--ppo-epochs must be >= 1"),
-    (["--clip-eps=1.0"], r"--clip-eps must be in \[0, 1\)"),
-    (["--clip-eps=-0.2"], r"--clip-eps must be in \[0, 1\)"),
-    (["--clip-eps-high=-0.5"], "--clip-eps-high must be -1"),
-    (["--kl-beta=0.1", "--fsdp"], "--kl-beta with --fsdp is not built"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kl-beta=-0.1"], "--kl-beta must be a finite number >= 0"),
+        (["--kl-beta=nan"], "--kl-beta must be a finite number >= 0"),
+        (["--ppo-epochs=0"], "--ppo-epochs must be >= 1"),
+        (["--clip-eps=1.0"], r"--clip-eps must be in \[0, 1\)"),
+        (["--clip-eps=-0.2"], r"--clip-eps must be in \[0, 1\)"),
+        (["--clip-eps-high=-0.5"], "--clip-eps-high must be -1"),
+        (["--kl-beta=0.1", "--fsdp"], "--kl-beta with --fsdp is not built"),
+    ],
+)
 def test_impossible_objective_flags_are_refused_in_one_line(argv, message):
     cfg = flags.parse_config(["--preset=demo", *argv], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
     with pytest.raises(flags.ConfigError, match=message):
@@ -280,11 +355,14 @@ def test_the_objective_flags_change_what_is_computed_so_resume_checks_them(tmp_p
     assert all(defaults[name] == value for name, value in checkpoint.ADDED.items())
     folder = tmp_path / "step_000003"
     base.small_model().save_pretrained(str(folder))
-    cfg = flags.parse_config(["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS,
-                             chat_rl.PRESETS)
+    cfg = flags.parse_config(
+        ["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
     older = {k: v for k, v in vars(cfg).items() if k not in checkpoint.ADDED}  # before the flags
-    torch.save({"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": older},
-               folder / "trainer_state.pt")
+    torch.save(
+        {"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": older},
+        folder / "trainer_state.pt",
+    )
     assert checkpoint.find_resumable(cfg, world=1)[0] == 3
     cfg.kl_beta = 0.04
     with pytest.raises(flags.ConfigError, match=r"kl_beta \(0.0 -> 0.04\)"):
@@ -292,10 +370,12 @@ def test_the_objective_flags_change_what_is_computed_so_resume_checks_them(tmp_p
 
 
 # ---- train(): each epoch its own gradient and update; the rows' kl and clip_frac -----------------
-@pytest.mark.parametrize("extra", [[], ["--ppo-epochs=2", "--kl-beta=0.05"],
-                                   ["--kl-beta=0.05", "--lora-rank=1"]])
-def test_each_epoch_starts_from_a_zero_gradient_and_takes_its_own_update(extra, tmp_path,
-                                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "extra", [[], ["--ppo-epochs=2", "--kl-beta=0.05"], ["--kl-beta=0.05", "--lora-rank=1"]]
+)
+def test_each_epoch_starts_from_a_zero_gradient_and_takes_its_own_update(
+    extra, tmp_path, monkeypatch
+):
     entered, steps = [], []
     backward, step = chat_rl.policy_gradient_backward, chat_rl.optimizer_step
 
@@ -307,12 +387,25 @@ def test_each_epoch_starts_from_a_zero_gradient_and_takes_its_own_update(extra, 
         result = step(model, optimizer, *args)
         steps.append(max(int(s["step"]) for s in optimizer.state.values()))
         return result
+
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
     monkeypatch.setattr(chat_rl, "optimizer_step", stepped)
     out = tmp_path / "run"
-    assert chat_rl.main(["--preset=demo", f"--out-dir={out}", "--num-steps=2", "--eval-every=-1",
-                         "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=30",
-                         *extra]) == 0
+    assert (
+        chat_rl.main(
+            [
+                "--preset=demo",
+                f"--out-dir={out}",
+                "--num-steps=2",
+                "--eval-every=-1",
+                "--examples-per-step=4",
+                "--num-samples=4",
+                "--max-new-tokens=30",
+                *extra,
+            ]
+        )
+        == 0
+    )
     epochs = 2 if "--ppo-epochs=2" in extra else 1
     assert entered == [True] * 2 * epochs and steps == list(range(1, 2 * epochs + 1))  # AdamW's
     with open(out / "metrics.jsonl") as f:
@@ -329,11 +422,25 @@ def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
     def spy(*args, **kwargs):
         seen.append(inspect.signature(real).bind(*args, **kwargs).arguments["options"])
         return real(*args, **kwargs)
+
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
-    assert chat_rl.main(["--preset=demo", f"--out-dir={tmp_path / 'run'}", "--num-steps=1",
-                         "--eval-every=-1", "--examples-per-step=2", "--num-samples=2",
-                         "--max-new-tokens=8", "--ppo-epochs=3", "--clip-eps=0.1",
-                         "--kl-beta=0.02"]) == 0
+    assert (
+        chat_rl.main(
+            [
+                "--preset=demo",
+                f"--out-dir={tmp_path / 'run'}",
+                "--num-steps=1",
+                "--eval-every=-1",
+                "--examples-per-step=2",
+                "--num-samples=2",
+                "--max-new-tokens=8",
+                "--ppo-epochs=3",
+                "--clip-eps=0.1",
+                "--kl-beta=0.02",
+            ]
+        )
+        == 0
+    )
     # the upper clip is the lower one's unless given
     assert seen == [dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=0.1)] * 3
 
@@ -341,7 +448,7 @@ def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
 # ---- two ranks: each rank's gradient is one process's over both ranks' rows ----------------------
 def rank_rows(rank):
     sequences, masks = base.rollouts(seed=20 + rank, num_groups=4 if rank == 0 else 2)  # uneven
-    return sequences, masks, chat_rl.compute_advantages(base.REWARDS[:len(sequences)], NUM_SAMPLES)
+    return sequences, masks, chat_rl.compute_advantages(base.REWARDS[: len(sequences)], NUM_SAMPLES)
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -352,15 +459,25 @@ def _worker(rank, world, init_file, out_dir):
         sharded = case.endswith("--fsdp")
         policy = fsdp.prepare(moved(base.small_model()), cpu, sharded, False)
         if case == "kl":
-            chat_rl.policy_gradient_backward(policy, *rows, NUM_SAMPLES, 2, "all_tokens", "cpu",
-                                             temperature=T, options=options(kl_beta=BETA),
-                                             reference=frozen_model(base.small_model()))
+            chat_rl.policy_gradient_backward(
+                policy,
+                *rows,
+                NUM_SAMPLES,
+                2,
+                "all_tokens",
+                "cpu",
+                temperature=T,
+                options=options(kl_beta=BETA),
+                reference=frozen_model(base.small_model()),
+            )
         else:
             sampler = fsdp.prepare(base.small_model(), cpu, sharded, False)
             two_epochs(sampler, policy, *rows, "all_tokens", chat_rl.fast_logprobs, batch_rows=2)
         chat_rl.sync_gradients(policy)
-        out[case] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                     for n, p in policy.named_parameters()}
+        out[case] = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for n, p in policy.named_parameters()
+        }
     out["per_token"] = metrics.per_token({"kl": torch.tensor(3.0)} if rank == 0 else {}, 6, cpu)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -369,16 +486,20 @@ def _worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("objective_options")
-    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True, start_method="spawn"
+    )
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.parametrize("case", ["kl", "ratio", "ratio --fsdp"])
 def test_on_two_ranks_each_option_sums_to_one_process_over_every_row(case, two_ranks):
     parts = [rank_rows(r) for r in range(2)]
-    rows = [parts[0][0] + parts[1][0], parts[0][1] + parts[1][1],
-            torch.cat([parts[0][2], parts[1][2]])]
+    rows = [
+        parts[0][0] + parts[1][0],
+        parts[0][1] + parts[1][1],
+        torch.cat([parts[0][2], parts[1][2]]),
+    ]
     expected = moved(base.small_model())
     if case == "kl":
         written_out(expected, *rows, "all_tokens", kl_beta=BETA, reference=base.small_model())

@@ -17,7 +17,9 @@ from policy.gpt import GPT, GPTConfig
 from tasks import arith
 from tasks.common import conversation
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="oneDNN's packed matmul: x86 CPUs")
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.zeros(1)), reason="oneDNN's packed matmul: x86 CPUs"
+)
 
 
 @pytest.fixture
@@ -32,6 +34,7 @@ def pack_every_linear(monkeypatch):
         def counted(x):
             calls[0] += 1
             return forward(x)
+
         return counted
 
     monkeypatch.setattr(packed_linear, "packed_forward", counting)
@@ -67,7 +70,9 @@ def test_after_the_block_every_linear_is_as_it_was_even_after_an_error(pack_ever
 
 
 def test_only_large_fp32_weights_are_packed():
-    small = nn.Linear(128, 384)  # the demo model's widest: MKL is as fast, and the demo keeps its numbers
+    small = nn.Linear(
+        128, 384
+    )  # the demo model's widest: MKL is as fast, and the demo keeps its numbers
     large = nn.Linear(576, 1536)
     large_bf16 = nn.Linear(576, 1536).to(torch.bfloat16)
     with packed_linears(nn.ModuleList([small, large, large_bf16])):
@@ -94,13 +99,16 @@ def test_lora_adapters_still_add_their_term_to_a_packed_linear(pack_every_linear
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_the_engine_with_every_linear_packed_samples_what_the_reference_samples(pack_every_linear,
-                                                                               temperature):
+def test_the_engine_with_every_linear_packed_samples_what_the_reference_samples(
+    pack_every_linear, temperature
+):
     # the demo's policy with the calculator: calls, forced results and rows leaving the batch
     model, tokenizer = load_policy("demo_model", "cpu")
     model.eval()
-    prompts = [tokenizer.render_for_completion(conversation(arith, row))
-               for row in arith.load("test", limit=3)]
+    prompts = [
+        tokenizer.render_for_completion(conversation(arith, row))
+        for row in arith.load("test", limit=3)
+    ]
     kw = dict(num_samples=8, max_new_tokens=64, temperature=temperature, seed=0, include_stop=True)
     fast = Engine(model, tokenizer, compact_at=0.0, tool=calculate).generate(prompts, **kw)
     assert pack_every_linear[0] > 0

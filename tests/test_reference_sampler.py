@@ -33,7 +33,7 @@ def first_difference(fast, plain):
                 if not isinstance(x, list):
                     return f"{field}[{row}]: engine {x}, reference {y}"
                 at = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-                return f"{field}[{row}] from index {at}: engine {x[at:at + 6]}, reference {y[at:at + 6]}"
+                return f"{field}[{row}] from index {at}: engine {x[at : at + 6]}, reference {y[at : at + 6]}"
     return "no difference"
 
 
@@ -43,11 +43,15 @@ def assert_same(fast, plain):
 
 # ---- fixtures: the demo policy on arith problems, and a tiny random model ---------------------------
 
+
 @pytest.fixture(scope="module")
 def demo():
     """The demo policy, its byte tokenizer, and three arith prompts of different lengths."""
     model, tokenizer = load_policy("demo_model", "cpu")
-    prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in arith.load("test", limit=3)]
+    prompts = [
+        tokenizer.render_for_completion(conversation(arith, row))
+        for row in arith.load("test", limit=3)
+    ]
     assert len({len(p) for p in prompts}) == 3
     return model.eval(), tokenizer, prompts
 
@@ -62,7 +66,7 @@ def opens_a_call(demo):
 
     def hook(module, args, kwargs, logits):
         idx = args[0] if args else kwargs["idx"]
-        logits[..., ord("<")] += 1000.0 * (idx[:, -logits.size(1):] == start)
+        logits[..., ord("<")] += 1000.0 * (idx[:, -logits.size(1) :] == start)
         return logits
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
@@ -89,18 +93,27 @@ def random_model():
     """A tiny GPT with wide random weights, and a byte tokenizer whose stop token is the one it samples most at
     temperature 0.7: its rows stop early, at many different positions."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2)
+    config = GPTConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = GPT(config).init_weights(3).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
     free = Engine(model, NoStopTokenizer()).generate(RANDOM_PROMPTS, 4, 30, temperature=0.7, seed=2)
-    generated = Counter(t for s, m in zip(free.sequences, free.masks) for t, sampled in zip(s, m) if sampled)
+    generated = Counter(
+        t for s, m in zip(free.sequences, free.masks) for t, sampled in zip(s, m) if sampled
+    )
     return model, NoStopTokenizer([generated.most_common(1)[0][0]])
 
 
 # ---- the two rules the reference states plainly ------------------------------------------------------
+
 
 def test_the_reference_call_rule_fires_exactly_where_the_automaton_does():
     # every text of up to 7 characters over the ones that matter to a call, read character by character
@@ -117,7 +130,9 @@ def interval_midpoints(logits, temperature, top_k):
     where float32 rounding of either sampler cannot carry an end of the interval past it."""
     scaled = logits.double() / temperature
     if top_k:
-        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k, dim=-1).values[:, -1:], float("-inf"))
+        scaled = scaled.masked_fill(
+            scaled < torch.topk(scaled, top_k, dim=-1).values[:, -1:], float("-inf")
+        )
     probs = torch.softmax(scaled, dim=-1)
     rows, tokens = (probs >= 1e-3).nonzero(as_tuple=True)
     u = (probs.cumsum(dim=-1) - probs / 2)[rows, tokens]
@@ -126,7 +141,9 @@ def interval_midpoints(logits, temperature, top_k):
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("top_k", [None, 5])
-def test_the_engine_sampler_and_the_reference_sampler_draw_the_token_whose_interval_holds_u(temperature, top_k):
+def test_the_engine_sampler_and_the_reference_sampler_draw_the_token_whose_interval_holds_u(
+    temperature, top_k
+):
     # 600 entries: more than two blocks of the engine's two-level inverse CDF; rows 0-3 tied at their 5th largest,
     # which sends them down the engine's other top-k path
     logits = torch.randn(16, 600, generator=torch.Generator().manual_seed(0)) * 3
@@ -150,73 +167,151 @@ def test_at_temperature_0_both_samplers_take_the_argmax():
 
 # ---- the engine against the reference ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_without_the_calculator_the_engine_samples_what_the_reference_samples(demo, temperature):
     model, tokenizer, prompts = demo
-    fast, plain = engine_and_reference(model, tokenizer, prompts, num_samples=4, max_new_tokens=64,
-                                       temperature=temperature, seed=0, include_stop=True)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts,
+        num_samples=4,
+        max_new_tokens=64,
+        temperature=temperature,
+        seed=0,
+        include_stop=True,
+    )
     assert_same(fast, plain)
-    assert all(seq[-1] in tokenizer.stop_tokens for seq in fast.sequences)  # each row stopped, its stop token kept
+    assert all(
+        seq[-1] in tokenizer.stop_tokens for seq in fast.sequences
+    )  # each row stopped, its stop token kept
 
 
 def test_with_top_k_the_engine_samples_what_the_reference_samples(demo):
     model, tokenizer, prompts = demo
-    fast, plain = engine_and_reference(model, tokenizer, prompts, num_samples=4, max_new_tokens=64, temperature=0.7,
-                                       top_k=5, seed=1)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts,
+        num_samples=4,
+        max_new_tokens=64,
+        temperature=0.7,
+        top_k=5,
+        seed=1,
+    )
     assert_same(fast, plain)
-    assert len({tuple(s) for s in fast.sequences}) > len(prompts)  # the samples of a prompt do differ
+    assert len({tuple(s) for s in fast.sequences}) > len(
+        prompts
+    )  # the samples of a prompt do differ
 
 
 @pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (0.7, None), (0.7, 5)])
 @pytest.mark.parametrize("compact_at", [0.0, 0.5])
-def test_rows_compacted_out_of_the_batch_leave_every_row_as_the_reference_samples_it(random_model, compact_at,
-                                                                                         temperature, top_k, include_stop):
+def test_rows_compacted_out_of_the_batch_leave_every_row_as_the_reference_samples_it(
+    random_model, compact_at, temperature, top_k, include_stop
+):
     # compact_at=0: the engine drops a finished row from its batch and KV cache at the first position it can;
     # 0.5: half the batch at once, finished rows at its front and at its back, so that running ones move
     model, tokenizer = random_model
-    fast, plain = engine_and_reference(model, tokenizer, RANDOM_PROMPTS, compact_at=compact_at, num_samples=4,
-                                       max_new_tokens=30, temperature=temperature, top_k=top_k, seed=2,
-                                       include_stop=include_stop)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        RANDOM_PROMPTS,
+        compact_at=compact_at,
+        num_samples=4,
+        max_new_tokens=30,
+        temperature=temperature,
+        top_k=top_k,
+        seed=2,
+        include_stop=include_stop,
+    )
     assert_same(fast, plain)
     stopped_at = {sum(m) for m in fast.masks if sum(m) < 30}
-    assert len(stopped_at) >= 2, stopped_at  # rows stopped, at different positions: there was compacting to do
+    assert len(stopped_at) >= 2, (
+        stopped_at
+    )  # rows stopped, at different positions: there was compacting to do
 
 
 def test_calls_the_policy_makes_on_its_own_are_answered_as_the_reference_answers_them(demo):
     # at temperature 0.7 a few of the demo's samples call the calculator, the others do not
     model, tokenizer, prompts = demo
-    fast, plain = engine_and_reference(model, tokenizer, prompts, tool=calculate, compact_at=0.0, num_samples=8,
-                                       max_new_tokens=64, temperature=0.7, seed=0, include_stop=True)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts,
+        tool=calculate,
+        compact_at=0.0,
+        num_samples=8,
+        max_new_tokens=64,
+        temperature=0.7,
+        seed=0,
+        include_stop=True,
+    )
     assert_same(fast, plain)
     assert 0 < sum(c > 0 for c in fast.tool_calls) < len(fast.tool_calls)
-    assert any(0 in m[len(prompts[i // 8]):] for i, m in enumerate(fast.masks))  # results were forced, mask 0
+    assert any(
+        0 in m[len(prompts[i // 8]) :] for i, m in enumerate(fast.masks)
+    )  # results were forced, mask 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_every_row_calling_the_calculator_gets_the_reference_results(opens_a_call, temperature):
     model, tokenizer, prompts = opens_a_call
-    fast, plain = engine_and_reference(model, tokenizer, prompts, tool=calculate, num_samples=3, max_new_tokens=64,
-                                       temperature=temperature, top_k=5, seed=0)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts,
+        tool=calculate,
+        num_samples=3,
+        max_new_tokens=64,
+        temperature=temperature,
+        top_k=5,
+        seed=0,
+    )
     assert_same(fast, plain)
     assert all(c >= 2 for c in fast.tool_calls) and sum(fast.tool_errors) == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_a_refused_call_forces_nothing_and_is_counted_as_the_reference_counts_it(opens_a_call, temperature):
+def test_a_refused_call_forces_nothing_and_is_counted_as_the_reference_counts_it(
+    opens_a_call, temperature
+):
     model, tokenizer, prompts = opens_a_call
-    fast, plain = engine_and_reference(model, tokenizer, prompts, tool=refuse_25, compact_at=0.0, num_samples=3,
-                                       max_new_tokens=64, temperature=temperature, seed=0, include_stop=True)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts,
+        tool=refuse_25,
+        compact_at=0.0,
+        num_samples=3,
+        max_new_tokens=64,
+        temperature=temperature,
+        seed=0,
+        include_stop=True,
+    )
     assert_same(fast, plain)
-    assert all(e > 0 for e in fast.tool_errors[:3]) and sum(fast.tool_errors[3:]) == 0  # problem 0's rows: 2*25
-    assert all(c > e for c, e in zip(fast.tool_calls[3:], fast.tool_errors[3:]))        # the others answered
+    assert (
+        all(e > 0 for e in fast.tool_errors[:3]) and sum(fast.tool_errors[3:]) == 0
+    )  # problem 0's rows: 2*25
+    assert all(
+        c > e for c, e in zip(fast.tool_calls[3:], fast.tool_errors[3:])
+    )  # the others answered
 
 
 def test_a_result_cut_off_by_max_new_tokens_is_cut_alike(opens_a_call):
     # `<<2*25=` is 7 tokens: a budget of 8 leaves room for one forced token of `50>>`, masked 0
     model, tokenizer, prompts = opens_a_call
-    fast, plain = engine_and_reference(model, tokenizer, prompts[:1], tool=calculate, num_samples=2,
-                                       max_new_tokens=8, temperature=0.0, seed=0)
+    fast, plain = engine_and_reference(
+        model,
+        tokenizer,
+        prompts[:1],
+        tool=calculate,
+        num_samples=2,
+        max_new_tokens=8,
+        temperature=0.0,
+        seed=0,
+    )
     assert_same(fast, plain)
-    assert [tokenizer.decode(s[len(prompts[0]):]) for s in fast.sequences] == ["<<2*25=5"] * 2
+    assert [tokenizer.decode(s[len(prompts[0]) :]) for s in fast.sequences] == ["<<2*25=5"] * 2
     assert [m[-2:] for m in fast.masks] == [[1, 0]] * 2

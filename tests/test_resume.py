@@ -15,7 +15,11 @@ from safetensors.torch import load_file
 from policy.gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}  # wall-clock, the only values allowed to differ
+TIMING_KEYS = {
+    "rollout_tokens_per_s",
+    "step_time_s",
+    "eval_time_s",
+}  # wall-clock, the only values allowed to differ
 
 # Runs chat_rl.main in a child process that dies (SIGKILL) or is asked to stop (SIGTERM, SIGINT) at
 # a chosen moment: after a step's metrics row ("metrics"); mid-checkpoint, every file written but
@@ -105,15 +109,34 @@ def model_dir():
 
 
 def args(model_dir, out_dir):
-    return ["--preset=demo", f"--model={model_dir}", f"--out-dir={out_dir}", "--num-steps=5", "--examples-per-step=2",
-            "--num-samples=4", "--max-new-tokens=40", "--eval-every=2", "--eval-examples=4", "--eval-samples=2",
-            "--save-every=1", "--keep-checkpoints=2", "--device-batch-size=3", "--lr=1e-3"]
+    return [
+        "--preset=demo",
+        f"--model={model_dir}",
+        f"--out-dir={out_dir}",
+        "--num-steps=5",
+        "--examples-per-step=2",
+        "--num-samples=4",
+        "--max-new-tokens=40",
+        "--eval-every=2",
+        "--eval-examples=4",
+        "--eval-samples=2",
+        "--save-every=1",
+        "--keep-checkpoints=2",
+        "--device-batch-size=3",
+        "--lr=1e-3",
+    ]
 
 
 def launch(argv, where="none", at=-1, sig="SIGKILL", **environ):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **environ}
-    return subprocess.run([sys.executable, "-c", RUNNER, where, str(at), sig, *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, where, str(at), sig, *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def signal_to_exit(result, exited):
@@ -141,22 +164,34 @@ def reference(model_dir, tmp_path_factory):
     rows = metrics(out)
     assert [r["step"] for r in rows if "split" not in r and r["kept_tokens"] > 0] == [0, 1, 2, 3, 4]
     start, end = load_file(os.path.join(model_dir, "model.safetensors")), final_weights(out)
-    assert any(not torch.equal(start[k], end[k]) for k in start), "the reference run never updated the weights"
+    assert any(not torch.equal(start[k], end[k]) for k in start), (
+        "the reference run never updated the weights"
+    )
     return rows, end
 
 
 # resumes_at: the latest complete checkpoint when the kill came (none yet after step 0: step_000001 is
 # written after that step's metrics row; a checkpoint killed before its rename does not count)
-@pytest.mark.parametrize("where,at,resumes_at", [("metrics", 0, 0), ("metrics", 2, 2), ("save", 3, 2), ("save", 5, 4)],
-                         ids=["after-first-step", "mid-run", "mid-checkpoint-write", "mid-final-checkpoint"])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, resumes_at, model_dir, reference, tmp_path):
+@pytest.mark.parametrize(
+    "where,at,resumes_at",
+    [("metrics", 0, 0), ("metrics", 2, 2), ("save", 3, 2), ("save", 5, 4)],
+    ids=["after-first-step", "mid-run", "mid-checkpoint-write", "mid-final-checkpoint"],
+)
+def test_sigkill_then_resume_matches_an_uninterrupted_run(
+    where, at, resumes_at, model_dir, reference, tmp_path
+):
     out = tmp_path / "run"
     killed = launch(args(model_dir, out), where, at)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert not any(d.startswith("step_") and not os.path.exists(out / d / "trainer_state.pt") for d in os.listdir(out))
+    assert not any(
+        d.startswith("step_") and not os.path.exists(out / d / "trainer_state.pt")
+        for d in os.listdir(out)
+    )
     resumed = launch(args(model_dir, out) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f" steps={resumes_at}->5 " in resumed.stdout  # from the latest complete checkpoint, not an older one
+    assert (
+        f" steps={resumes_at}->5 " in resumed.stdout
+    )  # from the latest complete checkpoint, not an older one
     ref_metrics, ref_weights = reference
     assert metrics(out) == ref_metrics
     weights = final_weights(out)
@@ -164,11 +199,15 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(where, at, resumes_at,
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
-def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_exit_0(model_dir, reference, tmp_path):
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_exit_0(
+    model_dir, reference, tmp_path
+):
     out = tmp_path / "run"
     stopped = launch(args(model_dir, out) + ["--save-every=-1"], "metrics", 1, "SIGTERM")
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000002"]  # steps 0 and 1 done
+    assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == [
+        "step_000002"
+    ]  # steps 0 and 1 done
     resumed = launch(args(model_dir, out) + ["--save-every=-1", "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert metrics(out) == reference[0]
@@ -176,11 +215,14 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_exit_0(model_dir
 
 # the step under way is left at once: no decoder layer ends a forward or backward pass after the
 # signal; the checkpoint of the last finished step (step 1: step_000002) is kept or written; exit 0
-@pytest.mark.parametrize("where, at, save_every",
-                         [("rollout", 2, -1), ("eval", 1, 1), ("backward", 2, -1)],
-                         ids=["mid-rollout-writes-it", "mid-eval-keeps-it", "mid-backward-pass"])
-def test_a_stop_mid_step_leaves_it_at_once_and_resumes_bit_for_bit(where, at, save_every, model_dir,
-                                                                   reference, tmp_path):
+@pytest.mark.parametrize(
+    "where, at, save_every",
+    [("rollout", 2, -1), ("eval", 1, 1), ("backward", 2, -1)],
+    ids=["mid-rollout-writes-it", "mid-eval-keeps-it", "mid-backward-pass"],
+)
+def test_a_stop_mid_step_leaves_it_at_once_and_resumes_bit_for_bit(
+    where, at, save_every, model_dir, reference, tmp_path
+):
     out = tmp_path / "run"
     stopped = launch(args(model_dir, out) + [f"--save-every={save_every}"], where, at, "SIGTERM")
     seconds, after = signal_to_exit(stopped, time.monotonic())
@@ -200,8 +242,16 @@ STOP_BOUND_S = 10  # signal to exit, checkpoint included: 0.5-1 s measured on a 
 
 def test_a_repeat_within_a_second_is_one_stop_and_a_later_one_kills_at_once(model_dir, tmp_path):
     # torchrun forwards a Ctrl-C its workers already got from the terminal: it must not kill them
-    soon, later = (launch(args(model_dir, tmp_path / str(delay)) + ["--save-every=-1"], "rollout",
-                          2, "SIGINT", AGAIN_AFTER=str(delay)) for delay in (0.1, 2.0))
+    soon, later = (
+        launch(
+            args(model_dir, tmp_path / str(delay)) + ["--save-every=-1"],
+            "rollout",
+            2,
+            "SIGINT",
+            AGAIN_AFTER=str(delay),
+        )
+        for delay in (0.1, 2.0)
+    )
     assert soon.returncode == 0, soon.stderr[-2000:]
     assert os.path.isdir(tmp_path / "0.1" / "step_000002")
     assert later.returncode == -2, later.stderr[-2000:]  # died of the second, mid-checkpoint
@@ -215,15 +265,27 @@ def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, r
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "STOP_RANK": "0"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     two = [*args(model_dir, out), "--examples-per-step=2", "--save-every=-1"]
-    stopped = subprocess.run([*torchrun, str(runner), "rollout", "2", "SIGTERM", *two], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=300)
+    stopped = subprocess.run(
+        [*torchrun, str(runner), "rollout", "2", "SIGTERM", *two],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     # rank 0 left its rollout at once; rank 1, never signalled, sent nothing
     assert stopped.stderr.count("layer passes after it: 0") == 2
     assert stopped.stderr.count("signal sent at None") == 1
     assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000002"]
-    resumed = subprocess.run([*torchrun, "-m", "chat_rl", *two, "--resume"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [*torchrun, "-m", "chat_rl", *two, "--resume"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, steps = metrics(out), lambda rows: [(r["step"], r.get("split")) for r in rows]
     assert steps(rows) == steps(reference[0])
@@ -246,8 +308,9 @@ def objective_reference(model_dir, tmp_path_factory):
     return metrics(out), final_weights(out)
 
 
-def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(model_dir, objective_reference,
-                                                                    tmp_path):
+def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(
+    model_dir, objective_reference, tmp_path
+):
     # killed after step 2's row, resumed from step_000002: a reference loaded from that checkpoint
     # would put step 2's kl near 0 (the policy is the checkpoint), not where it is unstopped
     out = tmp_path / "run"
@@ -260,7 +323,8 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(model_dir, o
 
 
 def test_a_stop_after_a_steps_first_update_finishes_its_epochs_and_resumes_bit_for_bit(
-        model_dir, objective_reference, tmp_path):
+    model_dir, objective_reference, tmp_path
+):
     # the weights have moved: leaving now would save half a step as step 2's end; epoch 1 runs on
     out = tmp_path / "run"
     stopped = launch(args(model_dir, out) + OBJECTIVE + ["--save-every=-1"], "update", 2, "SIGTERM")
@@ -276,7 +340,10 @@ def test_a_stop_after_a_steps_first_update_finishes_its_epochs_and_resumes_bit_f
 def test_old_checkpoints_are_pruned(model_dir, reference, tmp_path):
     out = tmp_path / "run"
     assert launch(args(model_dir, out)).returncode == 0
-    assert sorted(d for d in os.listdir(out) if d.startswith(("step_", ".tmp"))) == ["step_000004", "step_000005"]
+    assert sorted(d for d in os.listdir(out) if d.startswith(("step_", ".tmp"))) == [
+        "step_000004",
+        "step_000005",
+    ]
 
 
 def test_a_checkpoint_is_a_folder_the_model_loader_reads(model_dir, reference, tmp_path):

@@ -9,10 +9,22 @@ W = 0.1  # the ranking below needs 0 < format_weight < 1; 0.1 is a typical opt-i
 
 # per task: (reference, correct and well-formed, correct but sloppy, wrong but well-formed, garbage)
 LADDERS = {
-    "gsm8k": (gsm8k, "18", "5 + 13 = 18\n#### 18", "5 + 13 = 18\n#### $18.00 dollars, I think", "5 + 12 = 17\n#### 17",
-              "I am not sure."),
-    "math": (mathtask, r"\frac{1}{2}", r"Half of it, so $\boxed{\frac{1}{2}}$.",
-             r"$\boxed{0.5}$ -- let me double-check that... yes.", r"So $\boxed{\frac{1}{3}}$.", "no idea"),
+    "gsm8k": (
+        gsm8k,
+        "18",
+        "5 + 13 = 18\n#### 18",
+        "5 + 13 = 18\n#### $18.00 dollars, I think",
+        "5 + 12 = 17\n#### 17",
+        "I am not sure.",
+    ),
+    "math": (
+        mathtask,
+        r"\frac{1}{2}",
+        r"Half of it, so $\boxed{\frac{1}{2}}$.",
+        r"$\boxed{0.5}$ -- let me double-check that... yes.",
+        r"So $\boxed{\frac{1}{3}}$.",
+        "no idea",
+    ),
 }
 
 
@@ -41,16 +53,53 @@ def test_default_weight_is_the_pure_answer_reward(name):
 
 # hedging, repetition and box-spamming, each against an honest correct answer
 HACKS = {
-    "gsm8k": (gsm8k, "18", "#### 18", [
-        "#### 17 #### 18", "#### 17 or 18", "#### 18 or 17", "#### 18/1", "#### 36/2", "#### 17\n#### 18",
-        "#### 18\n#### 17", "#### 18\n#### 18", "#### 18 18 18", "#### 17, 18", "#### 17.5 to 18.5",
-        "#### 1,00\n#### 18", "####" * 50 + " 18", "#### 18 \n" * 20, "18 18 18 18 18"]),
-    "math": (mathtask, "5", r"\boxed{5}", [
-        r"\boxed{5} \boxed{6}", r"\boxed{6} \boxed{5}", r"\boxed{5}\boxed{5}\boxed{5}", r"\boxed{5, 6}",
-        r"\boxed{5 \text{ or } 6}", r"\boxed{\pm 5}", r"\boxed{x}", r"\boxed{[4, 6]}", r"\boxed{5",
-        r"\boxed{}", r"\boxed{\boxed{5}}", r"\fbox{5}\boxed{5}", r"\boxed{5} or maybe \boxed{}",
-        "".join(rf"\boxed{{{i}}}" for i in range(100)), r"\boxed{\{4, 5, 6\}}", r"\boxed{5}" + " 5" * 50,
-        r"\boxed{4.99999999}", r"\boxed{5 = 6}"]),
+    "gsm8k": (
+        gsm8k,
+        "18",
+        "#### 18",
+        [
+            "#### 17 #### 18",
+            "#### 17 or 18",
+            "#### 18 or 17",
+            "#### 18/1",
+            "#### 36/2",
+            "#### 17\n#### 18",
+            "#### 18\n#### 17",
+            "#### 18\n#### 18",
+            "#### 18 18 18",
+            "#### 17, 18",
+            "#### 17.5 to 18.5",
+            "#### 1,00\n#### 18",
+            "####" * 50 + " 18",
+            "#### 18 \n" * 20,
+            "18 18 18 18 18",
+        ],
+    ),
+    "math": (
+        mathtask,
+        "5",
+        r"\boxed{5}",
+        [
+            r"\boxed{5} \boxed{6}",
+            r"\boxed{6} \boxed{5}",
+            r"\boxed{5}\boxed{5}\boxed{5}",
+            r"\boxed{5, 6}",
+            r"\boxed{5 \text{ or } 6}",
+            r"\boxed{\pm 5}",
+            r"\boxed{x}",
+            r"\boxed{[4, 6]}",
+            r"\boxed{5",
+            r"\boxed{}",
+            r"\boxed{\boxed{5}}",
+            r"\fbox{5}\boxed{5}",
+            r"\boxed{5} or maybe \boxed{}",
+            "".join(rf"\boxed{{{i}}}" for i in range(100)),
+            r"\boxed{\{4, 5, 6\}}",
+            r"\boxed{5}" + " 5" * 50,
+            r"\boxed{4.99999999}",
+            r"\boxed{5 = 6}",
+        ],
+    ),
 }
 
 

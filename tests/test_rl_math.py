@@ -32,8 +32,17 @@ def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_s
 
 
 def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="kept_tokens"):
-    return chat_rl.policy_gradient_backward(model, SEQS, MASKS, advantages, num_samples, device_batch_size, loss_norm, "cpu",
-                                            logprobs=linear_logprobs)
+    return chat_rl.policy_gradient_backward(
+        model,
+        SEQS,
+        MASKS,
+        advantages,
+        num_samples,
+        device_batch_size,
+        loss_norm,
+        "cpu",
+        logprobs=linear_logprobs,
+    )
 
 
 # two groups of two samples; sequences are prompt + completion, mask 1 on completion tokens
@@ -42,7 +51,9 @@ MASKS = [[0, 0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1], [0, 0, 1]]
 
 
 def test_advantages_are_reward_minus_group_mean():
-    adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), num_samples=4)
+    adv = chat_rl.compute_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), num_samples=4
+    )
     assert adv.tolist() == [0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0]
 
 
@@ -124,30 +135,58 @@ def test_targets_exclude_prompt_and_padding_tokens():
 
 def test_gpt_per_token_nll_ignores_minus_one_targets():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1)).init_weights(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).init_weights(0)
     idx = torch.randint(0, 32, (2, 5))
     targets = torch.randint(0, 32, (2, 5))
     targets[0, :2] = -1
     nll = model(idx, targets, loss_reduction="none")
-    expected = -torch.log_softmax(model(idx), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    expected = -torch.log_softmax(model(idx), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[
+        ..., 0
+    ]
     assert nll.shape == (2, 5)
     assert torch.all(nll[0, :2] == 0)
     assert torch.allclose(nll[targets >= 0], expected[targets >= 0], atol=1e-6)
 
 
-@pytest.mark.parametrize("n,c,k,expected", [(4, 0, 1, 0.0), (4, 4, 1, 1.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5),
-                                            (4, 2, 2, 1 - 1 / 6), (4, 1, 4, 1.0), (10, 3, 5, 1 - math.comb(7, 5) / math.comb(10, 5))])
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (4, 0, 1, 0.0),
+        (4, 4, 1, 1.0),
+        (4, 1, 1, 0.25),
+        (4, 1, 2, 0.5),
+        (4, 2, 2, 1 - 1 / 6),
+        (4, 1, 4, 1.0),
+        (10, 3, 5, 1 - math.comb(7, 5) / math.comb(10, 5)),
+    ],
+)
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     assert chat_rl.pass_at_k(n, c, k) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("lengths,max_rows,max_tokens,expected", [
-    ([3, 3, 4, 4, 5], 8, 1000, [[0, 1, 2, 3, 4]]),        # one batch when both budgets allow
-    ([3, 3, 4, 4, 5], 2, 1000, [[0, 1], [2, 3], [4]]),    # the row budget
-    ([3, 3, 4, 4, 5], 8, 12, [[0, 1, 2], [3, 4]]),        # the token budget: 3 rows x 4 = 12, 3 x 5 > 12
-    ([2, 50, 3], 8, 10, [[0], [1], [2]]),                 # a row past the budget still gets its own batch
-])
+@pytest.mark.parametrize(
+    "lengths,max_rows,max_tokens,expected",
+    [
+        ([3, 3, 4, 4, 5], 8, 1000, [[0, 1, 2, 3, 4]]),  # one batch when both budgets allow
+        ([3, 3, 4, 4, 5], 2, 1000, [[0, 1], [2, 3], [4]]),  # the row budget
+        (
+            [3, 3, 4, 4, 5],
+            8,
+            12,
+            [[0, 1, 2], [3, 4]],
+        ),  # the token budget: 3 rows x 4 = 12, 3 x 5 > 12
+        ([2, 50, 3], 8, 10, [[0], [1], [2]]),  # a row past the budget still gets its own batch
+    ],
+)
 def test_micro_batches_respect_rows_and_padded_tokens(lengths, max_rows, max_tokens, expected):
     assert logprobs.split_rows(lengths, max_rows, max_tokens) == expected
 
@@ -157,10 +196,23 @@ def test_token_budget_does_not_change_the_loss_or_gradient():
     results = []
     for budget in (math.inf, 3):  # 3 tokens: every row alone (targets of 2, 2, 3 and 4 positions)
         model = LinearNLLModel()
-        loss, _ = chat_rl.policy_gradient_backward(model, SEQS, MASKS, adv, 2, 8, "kept_tokens", "cpu", device_batch_tokens=budget,
-                                                   logprobs=linear_logprobs)
+        loss, _ = chat_rl.policy_gradient_backward(
+            model,
+            SEQS,
+            MASKS,
+            adv,
+            2,
+            8,
+            "kept_tokens",
+            "cpu",
+            device_batch_tokens=budget,
+            logprobs=linear_logprobs,
+        )
         results.append((loss.item(), model.w.grad.item(), model.calls))
-    assert results[0][:2] == pytest.approx(results[1][:2]) and (results[0][2], results[1][2]) == (1, 4)
+    assert results[0][:2] == pytest.approx(results[1][:2]) and (results[0][2], results[1][2]) == (
+        1,
+        4,
+    )
 
 
 def test_derived_seeds_differ_for_every_tuple_the_old_arithmetic_mixed_up():
@@ -169,7 +221,12 @@ def test_derived_seeds_differ_for_every_tuple_the_old_arithmetic_mixed_up():
     d = chat_rl.derive_seed
     assert d(0, "rollout", 5, 10) != d(0, "rollout", 6, 0)
     assert d(0, "data", 1000) != d(1, "data", 0)
-    seeds = {d(seed, "rollout", step, rank) for seed in range(3) for step in range(300) for rank in range(16)}
+    seeds = {
+        d(seed, "rollout", step, rank)
+        for seed in range(3)
+        for step in range(300)
+        for rank in range(16)
+    }
     assert len(seeds) == 3 * 300 * 16 and all(0 <= s < 2**63 for s in seeds)
 
 
@@ -178,10 +235,21 @@ def test_derived_seeds_are_the_same_in_every_process():
     tuples = [(0, "eval", 0), (1, "rollout", 7, 3), (2, "data", 1)]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     other_hash_seed = str(int(os.environ.get("PYTHONHASHSEED", "0").replace("random", "0")) + 1)
-    child = subprocess.run([sys.executable, "-c", f"import chat_rl; print([chat_rl.derive_seed(*t) for t in {tuples!r}])"],
-                           cwd=repo, env={**os.environ, "PYTHONHASHSEED": other_hash_seed, "PYTHONPATH": repo},
-                           capture_output=True, text=True, timeout=120)
-    assert child.stdout.strip() == str([chat_rl.derive_seed(*t) for t in tuples]), child.stderr[-2000:]
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import chat_rl; print([chat_rl.derive_seed(*t) for t in {tuples!r}])",
+        ],
+        cwd=repo,
+        env={**os.environ, "PYTHONHASHSEED": other_hash_seed, "PYTHONPATH": repo},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.stdout.strip() == str([chat_rl.derive_seed(*t) for t in tuples]), child.stderr[
+        -2000:
+    ]
 
 
 # ---- step 1: each step's problems ----------------------------------------------------------------
@@ -192,14 +260,24 @@ ROWS = [f"problem {i}" for i in range(50)]  # 6 steps of 8 an epoch; 2 problems 
 def test_a_steps_problems_are_split_among_ranks_without_overlap(world):
     for step in range(14):
         whole = chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed=0)
-        parts = [chat_rl.problems_for_step(ROWS, step, rank, world, 8, seed=0) for rank in range(world)]
+        parts = [
+            chat_rl.problems_for_step(ROWS, step, rank, world, 8, seed=0) for rank in range(world)
+        ]
         assert [len(p) for p in parts] == [8 // world] * world
         assert sum(parts, []) == whole  # rank r takes the r-th part of the step's problems
 
 
 def test_an_epoch_takes_each_problem_at_most_once_and_the_next_epoch_reshuffles():
-    epochs = [sum((chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed=0) for step in range(6 * e, 6 * e + 6)), [])
-              for e in range(2)]
+    epochs = [
+        sum(
+            (
+                chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed=0)
+                for step in range(6 * e, 6 * e + 6)
+            ),
+            [],
+        )
+        for e in range(2)
+    ]
     for taken in epochs:
         assert len(taken) == len(set(taken)) == 48
     assert epochs[0] != epochs[1]
@@ -217,7 +295,10 @@ class TwoWeights(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = torch.nn.Parameter(torch.tensor([1.0])), torch.nn.Parameter(torch.tensor([2.0]))
+        self.a, self.b = (
+            torch.nn.Parameter(torch.tensor([1.0])),
+            torch.nn.Parameter(torch.tensor([2.0])),
+        )
 
     def set_gradient(self, norm):
         self.a.grad, self.b.grad = torch.tensor([0.6 * norm]), torch.tensor([0.8 * norm])
@@ -231,8 +312,14 @@ def step_with_sgd(norm, grad_clip, lr=0.5):
     """optimizer_step under plain SGD, whose update is -lr * the gradient it is left: (reported norm, update)."""
     model = TwoWeights().set_gradient(norm)
     before = model.weights()
-    grad_norm, finite = chat_rl.optimizer_step(model, torch.optim.SGD(model.parameters(), lr=123.0), lr, grad_clip,
-                                               loss=-0.1, kept_tokens=10)
+    grad_norm, finite = chat_rl.optimizer_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=123.0),
+        lr,
+        grad_clip,
+        loss=-0.1,
+        kept_tokens=10,
+    )
     assert finite
     return grad_norm, model.weights() - before
 
@@ -240,7 +327,9 @@ def step_with_sgd(norm, grad_clip, lr=0.5):
 def test_a_gradient_above_grad_clip_leaves_with_norm_grad_clip():
     grad_norm, update = step_with_sgd(norm=10.0, grad_clip=1.0)
     assert grad_norm == pytest.approx(10.0)  # the norm logged is the one before clipping
-    assert update.tolist() == pytest.approx([-0.5 * 0.6, -0.5 * 0.8], rel=1e-5)  # lr 0.5 times the clipped (0.6, 0.8)
+    assert update.tolist() == pytest.approx(
+        [-0.5 * 0.6, -0.5 * 0.8], rel=1e-5
+    )  # lr 0.5 times the clipped (0.6, 0.8)
 
 
 def test_a_gradient_below_grad_clip_is_untouched():
@@ -264,10 +353,15 @@ def adamw_after_one_update():
     model = TwoWeights().set_gradient(1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=-0.1, kept_tokens=10)
-    return model, optimizer  # AdamW now has momentum: a step on a zero gradient would still move the weights
+    return (
+        model,
+        optimizer,
+    )  # AdamW now has momentum: a step on a zero gradient would still move the weights
 
 
-@pytest.mark.parametrize("loss,gradient", [(math.nan, 1.0), (math.inf, 1.0), (-0.1, math.nan), (-0.1, math.inf)])
+@pytest.mark.parametrize(
+    "loss,gradient", [(math.nan, 1.0), (math.inf, 1.0), (-0.1, math.nan), (-0.1, math.inf)]
+)
 def test_a_non_finite_loss_or_gradient_skips_the_update(loss, gradient):
     model, optimizer = adamw_after_one_update()
     model.set_gradient(gradient)
@@ -289,9 +383,17 @@ def test_a_step_with_no_sampled_token_leaves_the_weights_alone():
 def test_a_run_stops_after_max_nonfinite_non_finite_updates_in_a_row():
     quiet = lambda *a, **k: None  # noqa: E731
     in_row = 0
-    for finite, kept_tokens, expected in [(False, 10, 1), (True, 0, 1), (False, 10, 2), (True, 10, 0), (False, 10, 1)]:
+    for finite, kept_tokens, expected in [
+        (False, 10, 1),
+        (True, 0, 1),
+        (False, 10, 2),
+        (True, 10, 0),
+        (False, 10, 1),
+    ]:
         in_row = check_nonfinite(finite, kept_tokens, in_row, 3, 0, quiet)
-        assert in_row == expected  # a good update resets the count; a step with nothing to learn leaves it
+        assert (
+            in_row == expected
+        )  # a good update resets the count; a step with nothing to learn leaves it
     in_row = check_nonfinite(False, 10, in_row, 3, 5, quiet)
     with pytest.raises(RunError, match="3 non-finite updates in a row at step 6"):
         check_nonfinite(False, 10, in_row, 3, 6, quiet)

@@ -9,13 +9,19 @@ from engine import Engine
 from tasks import arith
 from tasks.common import conversation
 
-NUM_SAMPLES, BUDGET, FORMAT_WEIGHT = 4, 30, 0.5  # 30 tokens: some of the demo's answers fit, some do not
+NUM_SAMPLES, BUDGET, FORMAT_WEIGHT = (
+    4,
+    30,
+    0.5,
+)  # 30 tokens: some of the demo's answers fit, some do not
 
 
 @pytest.fixture(scope="module")
 def problems():
     rows = arith.load("test", limit=3)
-    assert len({arith.reference(r) for r in rows}) == 3  # distinct answers: a reward checked against another problem shows
+    assert (
+        len({arith.reference(r) for r in rows}) == 3
+    )  # distinct answers: a reward checked against another problem shows
     return rows
 
 
@@ -23,8 +29,17 @@ def problems():
 def rollout(problems):
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     engine = Engine(model.eval(), tokenizer)
-    out = chat_rl.rollout(engine, arith, problems, NUM_SAMPLES, BUDGET, temperature=1.0, top_k=0, seed=0,
-                          format_weight=FORMAT_WEIGHT)
+    out = chat_rl.rollout(
+        engine,
+        arith,
+        problems,
+        NUM_SAMPLES,
+        BUDGET,
+        temperature=1.0,
+        top_k=0,
+        seed=0,
+        format_weight=FORMAT_WEIGHT,
+    )
     return out, tokenizer
 
 
@@ -38,7 +53,9 @@ def test_each_sequence_is_its_problems_prompt_then_the_sampled_tokens(rollout, p
     assert len(out["sequences"]) == len(problems) * NUM_SAMPLES
     for i, (seq, mask) in enumerate(zip(out["sequences"], out["masks"])):
         prompt = tokenizer.render_for_completion(conversation(arith, problems[i // NUM_SAMPLES]))
-        assert seq[:len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
+        assert seq[: len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (
+            len(seq) - len(prompt)
+        )
         assert out["tokens"][i] == len(sampled(out, i)) <= BUDGET
 
 
@@ -48,12 +65,16 @@ def test_a_completion_that_stopped_trains_its_stop_token_and_is_not_truncated(ro
     assert stopped, "every completion ran the whole budget: nothing to check"
     for i in stopped:
         tokens = sampled(out, i)
-        assert tokens[-1] in tokenizer.stop_tokens  # ending the answer is trained like any other choice
+        assert (
+            tokens[-1] in tokenizer.stop_tokens
+        )  # ending the answer is trained like any other choice
         assert not set(tokens[:-1]) & tokenizer.stop_tokens
         assert not out["truncated"][i]
 
 
-def test_a_completion_that_ran_the_whole_budget_is_truncated_unless_its_last_token_stopped_it(rollout):
+def test_a_completion_that_ran_the_whole_budget_is_truncated_unless_its_last_token_stopped_it(
+    rollout,
+):
     out, tokenizer = rollout
     full = [i for i in range(len(out["sequences"])) if len(sampled(out, i)) == BUDGET]
     assert any(out["truncated"][i] for i in full), "no completion was cut off: nothing to check"
@@ -61,7 +82,9 @@ def test_a_completion_that_ran_the_whole_budget_is_truncated_unless_its_last_tok
         tokens = sampled(out, i)
         assert not set(tokens[:-1]) & tokenizer.stop_tokens
         assert out["truncated"][i] == (tokens[-1] not in tokenizer.stop_tokens)
-        assert out["answer"][i] == 0.0 or not out["truncated"][i]  # a cut-off answer has no final answer line
+        assert (
+            out["answer"][i] == 0.0 or not out["truncated"][i]
+        )  # a cut-off answer has no final answer line
 
 
 def test_each_completion_is_scored_against_its_own_problem(rollout, problems):
@@ -72,5 +95,7 @@ def test_each_completion_is_scored_against_its_own_problem(rollout, problems):
         assert out["answer"][i] == float(arith.grade(text, reference))
         assert out["format"][i] == float(arith.format_ok(text))
         assert out["total"][i] == out["answer"][i] + FORMAT_WEIGHT * out["format"][i]
-    assert 0 < sum(out["answer"]) < len(out["answer"])  # right and wrong answers both: the check had something to tell apart
+    assert (
+        0 < sum(out["answer"]) < len(out["answer"])
+    )  # right and wrong answers both: the check had something to tell apart
     assert 0 < sum(out["format"])

@@ -6,7 +6,7 @@ import torch
 from engine import BLOCK, sample_from_probs, sample_next_token
 
 V = 2 * BLOCK + 88  # two full blocks of the two-level inverse CDF and a partial third one
-N = 100_000         # draws per distribution
+N = 100_000  # draws per distribution
 
 
 def expected_probs(logits, temperature, top_k):
@@ -28,7 +28,9 @@ def test_draws_follow_softmax_of_logits_over_temperature(temperature, top_k):
     # every token within 5 standard deviations of its expected count: N * p +- 5 sqrt(N p (1 - p)) (+1 for rounding).
     # At another temperature (T=1 for T=0.5, say) the likeliest tokens miss by dozens of deviations.
     z = (counts - N * p).abs() / (N * p * (1 - p)).sqrt().clamp(min=1e-9)
-    assert torch.all((z < 5) | ((counts - N * p).abs() <= 1)), f"worst token off by {z.max():.1f} standard deviations"
+    assert torch.all((z < 5) | ((counts - N * p).abs() <= 1)), (
+        f"worst token off by {z.max():.1f} standard deviations"
+    )
 
 
 def test_zero_probability_tokens_are_never_drawn_even_where_u_lands_on_a_block_boundary():
@@ -40,19 +42,24 @@ def test_zero_probability_tokens_are_never_drawn_even_where_u_lands_on_a_block_b
     for _ in range(20):
         probs = torch.rand(64, V, generator=gen) ** 4
         for start in range(0, V, BLOCK):
-            probs[:, start + BLOCK - 30:start + BLOCK] = 0
+            probs[:, start + BLOCK - 30 : start + BLOCK] = 0
         probs[:, -50:] = 0
-        running = torch.stack([probs[:, b * BLOCK:(b + 1) * BLOCK].sum(-1) for b in range(n_blocks)], 1).cumsum(-1)
+        running = torch.stack(
+            [probs[:, b * BLOCK : (b + 1) * BLOCK].sum(-1) for b in range(n_blocks)], 1
+        ).cumsum(-1)
         for b in range(n_blocks):
-            u = (running[:, b] / running[:, -1]).clamp(max=1 - 2 ** -24)
-            for u_aimed in (u, torch.nextafter(u, torch.zeros(())), torch.full_like(u, 1 - 2 ** -24)):
+            u = (running[:, b] / running[:, -1]).clamp(max=1 - 2**-24)
+            for u_aimed in (u, torch.nextafter(u, torch.zeros(())), torch.full_like(u, 1 - 2**-24)):
                 tokens = sample_from_probs(probs, u_aimed)
                 assert torch.all(probs[torch.arange(64), tokens] > 0)
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
-    seen = {int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2)) for u in torch.linspace(0, 0.999, 200).tolist()}
+    seen = {
+        int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2))
+        for u in torch.linspace(0, 0.999, 200).tolist()
+    }
     assert seen == {0, 2, 3, 4}  # 2 is the 2nd largest; all three 2.0s stay in
 
 
@@ -60,13 +67,18 @@ def test_top_k_walks_its_candidates_in_vocabulary_order():
     # top-2 of [0, 2, 1, 3, 0] keeps tokens 1 and 3, e^2 : e^3: token 1 holds u in [0, 0.269), token 3 the rest,
     # as on the paths that walk the whole vocabulary (a tie at the k-th, CUDA) and in engine.sample_reference
     logits = torch.tensor([[0.0, 2.0, 1.0, 3.0, 0.0]])
-    drawn = [int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2)) for u in (0.0, 0.1, 0.26, 0.28, 0.5, 0.99)]
+    drawn = [
+        int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2))
+        for u in (0.0, 0.1, 0.26, 0.28, 0.5, 0.99)
+    ]
     assert drawn == [1, 1, 1, 3, 3, 3]
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(sample_next_token(logits, torch.rand(5), 0.0, top_k=10), logits.argmax(dim=-1))
+    assert torch.equal(
+        sample_next_token(logits, torch.rand(5), 0.0, top_k=10), logits.argmax(dim=-1)
+    )
 
 
 @pytest.mark.parametrize("vocab", [V, 8192, 151936])
@@ -76,7 +88,7 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows(vocab):
     logits, u = torch.randn(40, vocab, generator=gen) * 3, torch.rand(40, generator=gen)
     batched = sample_next_token(logits, u, 1.0, top_k=0)
     for i in (0, 13, 39):
-        assert sample_next_token(logits[i:i + 1], u[i:i + 1], 1.0, top_k=0) == batched[i]
+        assert sample_next_token(logits[i : i + 1], u[i : i + 1], 1.0, top_k=0) == batched[i]
     assert torch.equal(sample_next_token(logits[5:30], u[5:30], 1.0, top_k=0), batched[5:30])
 
 
@@ -85,9 +97,21 @@ def test_with_top_k_a_rows_draw_does_not_depend_on_a_neighbour_tied_at_its_kth()
     # what it draws alone (once the whole chunk switched paths, and the same u picked another token 2 times in 3)
     gen = torch.Generator().manual_seed(0)
     logits, k = torch.randn(2, V, generator=gen) * 3, 5
-    logits[1, torch.topk(logits[1], k + 1).indices[k]] = torch.topk(logits[1], k).values[-1]  # row 1: tied at its k-th
+    logits[1, torch.topk(logits[1], k + 1).indices[k]] = torch.topk(logits[1], k).values[
+        -1
+    ]  # row 1: tied at its k-th
     u = torch.rand(200, 2, generator=gen)
     together = torch.stack([sample_next_token(logits, u[i], 1.0, top_k=k) for i in range(200)])
-    alone = torch.tensor([[int(sample_next_token(logits[i:i + 1], u[j, i:i + 1], 1.0, top_k=k)) for i in range(2)] for j in range(200)])
+    alone = torch.tensor(
+        [
+            [
+                int(sample_next_token(logits[i : i + 1], u[j, i : i + 1], 1.0, top_k=k))
+                for i in range(2)
+            ]
+            for j in range(200)
+        ]
+    )
     assert torch.equal(together, alone)
-    assert len(set(together[:, 1].tolist())) == k + 1  # the tied row keeps all k + 1 entries >= its k-th
+    assert (
+        len(set(together[:, 1].tolist())) == k + 1
+    )  # the tied row keeps all k + 1 entries >= its k-th

@@ -15,10 +15,24 @@ LR, NUM_STEPS, MAX_NEW_TOKENS, FORMAT_WEIGHT, EVAL_EXAMPLES, EVAL_SAMPLES = 4e-4
 
 
 def run(out_dir, *extra):
-    code = chat_rl.main(["--preset=demo", f"--out-dir={out_dir}", f"--num-steps={NUM_STEPS}", "--examples-per-step=2",
-                         "--num-samples=4", f"--max-new-tokens={MAX_NEW_TOKENS}", "--eval-every=3",
-                         f"--eval-examples={EVAL_EXAMPLES}", f"--eval-samples={EVAL_SAMPLES}", "--save-every=1",
-                         "--keep-checkpoints=10", f"--lr={LR}", f"--format-weight={FORMAT_WEIGHT}", *extra])
+    code = chat_rl.main(
+        [
+            "--preset=demo",
+            f"--out-dir={out_dir}",
+            f"--num-steps={NUM_STEPS}",
+            "--examples-per-step=2",
+            "--num-samples=4",
+            f"--max-new-tokens={MAX_NEW_TOKENS}",
+            "--eval-every=3",
+            f"--eval-examples={EVAL_EXAMPLES}",
+            f"--eval-samples={EVAL_SAMPLES}",
+            "--save-every=1",
+            "--keep-checkpoints=10",
+            f"--lr={LR}",
+            f"--format-weight={FORMAT_WEIGHT}",
+            *extra,
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     return [r for r in rows if "split" not in r], [r for r in rows if r.get("split") == "eval"]
@@ -28,28 +42,40 @@ def run(out_dir, *extra):
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_run")
     train, evals = run(out)
-    assert sum(r["kept_tokens"] > 0 for r in train) >= NUM_STEPS - 1, "steps without an update: the checks below would see less"
+    assert sum(r["kept_tokens"] > 0 for r in train) >= NUM_STEPS - 1, (
+        "steps without an update: the checks below would see less"
+    )
     return out, train, evals
 
 
 def test_the_logged_learning_rate_decays_linearly_to_zero(demo_run):
     _, train, _ = demo_run
     assert [r["step"] for r in train] == list(range(NUM_STEPS))
-    assert [r["lr"] for r in train] == pytest.approx([LR * (1 - s / NUM_STEPS) for s in range(NUM_STEPS)], abs=1e-9)
+    assert [r["lr"] for r in train] == pytest.approx(
+        [LR * (1 - s / NUM_STEPS) for s in range(NUM_STEPS)], abs=1e-9
+    )
 
 
 def test_each_update_is_taken_at_the_logged_learning_rate(demo_run):
     # the checkpoint after step s holds the optimizer as step s left it
     out, train, _ = demo_run
     for row in train:
-        state = torch.load(out / f"step_{row['step'] + 1:06d}" / "trainer_state.pt", weights_only=True)
-        assert [g["lr"] for g in state["optimizer"]["param_groups"]] == pytest.approx([row["lr"]], abs=1e-9)
+        state = torch.load(
+            out / f"step_{row['step'] + 1:06d}" / "trainer_state.pt", weights_only=True
+        )
+        assert [g["lr"] for g in state["optimizer"]["param_groups"]] == pytest.approx(
+            [row["lr"]], abs=1e-9
+        )
 
 
 def test_train_rows_hold_their_invariants(demo_run):
     _, train, _ = demo_run
     for r in train:
-        assert 0 <= r["reward_answer"] <= 1 and 0 <= r["reward_format"] <= 1 and 0 <= r["truncated"] <= 1
+        assert (
+            0 <= r["reward_answer"] <= 1
+            and 0 <= r["reward_format"] <= 1
+            and 0 <= r["truncated"] <= 1
+        )
         assert r["reward"] == pytest.approx(r["reward_answer"] + FORMAT_WEIGHT * r["reward_format"])
         assert 0 < r["seq_len"] <= MAX_NEW_TOKENS
         assert r["skipped_nonfinite"] == 0 and (r["grad_norm"] > 0) == (r["kept_tokens"] > 0)
@@ -61,19 +87,30 @@ def test_eval_rows_hold_their_invariants(demo_run):
     assert [r["step"] for r in evals] == [0, 3, 4]  # every 3 steps, and after the last
     for r in evals:
         passes = [r[f"pass@{j}"] for j in range(1, EVAL_SAMPLES + 1)]
-        assert 0 <= passes[0] and passes == sorted(passes) and passes[-1] <= 1  # pass@1 <= pass@2 <= ... <= pass@k
+        assert (
+            0 <= passes[0] and passes == sorted(passes) and passes[-1] <= 1
+        )  # pass@1 <= pass@2 <= ... <= pass@k
         assert 0 <= r["greedy"] <= 1
         # counts behind them: right samples of all, problems with a right sample, right greedy answers
-        for value, count in [(passes[0], EVAL_EXAMPLES * EVAL_SAMPLES), (passes[-1], EVAL_EXAMPLES), (r["greedy"], EVAL_EXAMPLES)]:
+        for value, count in [
+            (passes[0], EVAL_EXAMPLES * EVAL_SAMPLES),
+            (passes[-1], EVAL_EXAMPLES),
+            (r["greedy"], EVAL_EXAMPLES),
+        ]:
             assert value * count == pytest.approx(round(value * count), abs=1e-3)
-    assert any(0 < r["pass@1"] < r[f"pass@{EVAL_SAMPLES}"] for r in evals)  # values between the bounds: the order was tested
+    assert any(
+        0 < r["pass@1"] < r[f"pass@{EVAL_SAMPLES}"] for r in evals
+    )  # values between the bounds: the order was tested
 
 
 def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
     # --top-k=1 samples the greedy answer: a group's samples are one answer, every group is unanimous, no update
     train, _ = run(tmp_path, "--top-k=1", "--eval-every=-1", "--num-steps=2")
     assert [r["kept_tokens"] for r in train] == [0, 0]
-    start, end = load_file(os.path.join(REPO, "demo_model", "model.safetensors")), load_file(tmp_path / "step_000002" / "model.safetensors")
+    start, end = (
+        load_file(os.path.join(REPO, "demo_model", "model.safetensors")),
+        load_file(tmp_path / "step_000002" / "model.safetensors"),
+    )
     assert all(torch.equal(start[k], end[k]) for k in start)
 
 

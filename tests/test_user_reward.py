@@ -17,12 +17,28 @@ from tasks.common import rewards
 
 SAMPLES, BUDGET = 3, 24
 # arith's problems in a schema of a user's own: an int answer, metadata, a list column
-ROWS = [{"q": r["question"], "sol": int(r["answer"].rsplit("#### ", 1)[1]), "level": level,
-         "tags": ["x"]} for r, level in zip(arith.load("train", 3), ("easy", "medium", "hard"))]
+ROWS = [
+    {
+        "q": r["question"],
+        "sol": int(r["answer"].rsplit("#### ", 1)[1]),
+        "level": level,
+        "tags": ["x"],
+    }
+    for r, level in zip(arith.load("train", 3), ("easy", "medium", "hard"))
+]
 COLUMNS = "(the row's columns: q, sol, level, tags)"
-SMALL = ["--preset=demo", "--device-type=cpu", "--num-steps=2", "--examples-per-step=2",
-         "--num-samples=4", "--max-new-tokens=40", "--eval-examples=3", "--eval-samples=2",
-         "--prompt-column=q", "--answer-column=sol"]
+SMALL = [
+    "--preset=demo",
+    "--device-type=cpu",
+    "--num-steps=2",
+    "--examples-per-step=2",
+    "--num-samples=4",
+    "--max-new-tokens=40",
+    "--eval-examples=3",
+    "--eval-samples=2",
+    "--prompt-column=q",
+    "--answer-column=sol",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +76,9 @@ def test_it_may_change_its_row_lists_too_and_no_other_sample_sees_the_change(eng
         row["sol"] = -1
         return 1.0
 
-    chat_rl.rollout(engine, task_scored_by(meddling), rows, SAMPLES, BUDGET, temperature=1.0,
-                    top_k=0, seed=0)
+    chat_rl.rollout(
+        engine, task_scored_by(meddling), rows, SAMPLES, BUDGET, temperature=1.0, top_k=0, seed=0
+    )
     assert seen == [row for row in ROWS for _ in range(SAMPLES)]  # each sample its row as it was
     assert rows == ROWS  # and the run's rows untouched
 
@@ -69,16 +86,26 @@ def test_it_may_change_its_row_lists_too_and_no_other_sample_sees_the_change(eng
 def test_its_number_is_the_answer_term_and_the_format_bonus_is_added():
     task = task_scored_by(lambda completion, row: np.float32(0.5))  # any real number, numpy's too
     assert rewards(task, "so 5 + 3 = 8\n#### 8", "8", format_weight=0.25, row=ROWS[0]) == {
-        "answer": 0.5, "format": 1.0, "total": 0.75}
+        "answer": 0.5,
+        "format": 1.0,
+        "total": 0.75,
+    }
     assert rewards(task, "8", "8", format_weight=0.25, row=ROWS[0]) == {
-        "answer": 0.5, "format": 0.0, "total": 0.5}
+        "answer": 0.5,
+        "format": 0.0,
+        "total": 0.5,
+    }
 
 
 @pytest.mark.parametrize("returned", ["1.0", None, [1.0], math.nan, math.inf, -math.inf])
 def test_what_is_not_a_finite_number_scores_0_and_is_an_error(returned):
     terms = rewards(task_scored_by(lambda completion, row: returned), "#### 8", "8", row=ROWS[0])
-    assert terms == {"answer": 0.0, "format": 0.0, "total": 0.0,
-                     "error": f"ValueError: the reward returned {returned!r}, not a finite number"}
+    assert terms == {
+        "answer": 0.0,
+        "format": 0.0,
+        "total": 0.0,
+        "error": f"ValueError: the reward returned {returned!r}, not a finite number",
+    }
 
 
 def test_an_exception_it_raises_is_told_by_its_type_line_message_and_the_rows_columns(tmp_path):
@@ -86,7 +113,8 @@ def test_an_exception_it_raises_is_told_by_its_type_line_message_and_the_rows_co
     mine.write_text("def reward(completion, row):\n    return row['answer'] + 1\n")
     task = generic.make(prompt_column="q", answer_column="sol", reward=f"{mine}:reward")
     assert rewards(task, "#### 8", "8", row=ROWS[0])["error"] == (
-        f"KeyError at {mine}:2 in reward: 'answer' {COLUMNS}")
+        f"KeyError at {mine}:2 in reward: 'answer' {COLUMNS}"
+    )
 
 
 FAILING = """
@@ -115,21 +143,25 @@ def test_each_kind_of_error_is_printed_once_and_the_run_ends_with_their_count(tm
     lines = capsys.readouterr().out.splitlines()
     told = [line.split("once): ", 1)[1] for line in lines if "the reward failed, scoring 0" in line]
     # the step 0 eval meets the medium row first
-    assert told == [f"ZeroDivisionError at {where}:6 in reward: division by zero {COLUMNS}",
-                    f"KeyError at {where}:4 in reward: 'answer' {COLUMNS}"]
+    assert told == [
+        f"ZeroDivisionError at {where}:6 in reward: division by zero {COLUMNS}",
+        f"KeyError at {where}:4 in reward: 'answer' {COLUMNS}",
+    ]
     rows = metrics(out)
     errors = [sum(r["reward_errors"] for r in rows if ("split" in r) == evals) for evals in (0, 1)]
     # 2 steps x 2 failing rows x 4 samples; 2 evals x 2 failing rows x (2 samples + greedy)
     assert errors == [2 * 2 * 4, 2 * 2 * (2 + 1)]
-    assert lines[-3].startswith(f"the reward failed on {errors[0]} training and {errors[1]} eval "
-                                "completions, each scored 0")
+    assert lines[-3].startswith(
+        f"the reward failed on {errors[0]} training and {errors[1]} eval completions, each scored 0"
+    )
 
 
 def test_evaluation_counts_a_completion_right_at_an_answer_of_1_or_more(engine):
     for marks, right in ((0.5, 0.0), (0.99, 0.0), (1.0, 1.0), (1.5, 1.0)):
         task = task_scored_by(lambda completion, row, marks=marks: marks)
-        metrics, _ = chat_rl.evaluate(engine, task, ROWS, 2, BUDGET, rank=0, world=1, device="cpu",
-                                      seed=0)
+        metrics, _ = chat_rl.evaluate(
+            engine, task, ROWS, 2, BUDGET, rank=0, world=1, device="cpu", seed=0
+        )
         assert (metrics["greedy"], metrics["pass@1"], metrics["pass@2"]) == (right,) * 3, marks
 
 
@@ -146,11 +178,27 @@ def reward(completion, row):
 def test_failing_on_every_completion_of_a_step_stops_the_run_keeping_its_training(tmp_path, capsys):
     (tmp_path / "breaking.py").write_text(BREAKING)
     out, where = tmp_path / "run", tmp_path / "breaking.py"
-    assert chat_rl.main([*SMALL, *write_rows(tmp_path), "--examples-per-step=2", f"--out-dir={out}",
-                         f"--reward={where}:reward", "--eval-every=-1", "--num-steps=3"]) == 1
+    assert (
+        chat_rl.main(
+            [
+                *SMALL,
+                *write_rows(tmp_path),
+                "--examples-per-step=2",
+                f"--out-dir={out}",
+                f"--reward={where}:reward",
+                "--eval-every=-1",
+                "--num-steps=3",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [(f"chat_rl: error: step 1: the reward failed on every completion; the first: "
-                    f"RuntimeError at {where}:6 in reward: the grader went away {COLUMNS}")]
+    assert err == [
+        (
+            f"chat_rl: error: step 1: the reward failed on every completion; the first: "
+            f"RuntimeError at {where}:6 in reward: the grader went away {COLUMNS}"
+        )
+    ]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0] and rows[0]["kept_tokens"] > 0  # step 0 trained
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_000001"]
