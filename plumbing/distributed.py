@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-
 # How long a rank waits in a collective before the run fails. The longest wait is a checkpoint: the
 # other ranks wait while rank 0 writes and syncs it to disk, 91 GB for the largest run the README
 # names (7B under --fsdp: 30 GB of weights, 61 GB of AdamW moments), an hour at 26 MB/s; NCCL's

@@ -250,6 +250,7 @@ class MetricsLog:
             self.files[name] = open(path, "a" if keep_below_step else "w")
         if wandb_project:
             import hashlib
+
             import wandb  # optional dependency, only when asked for
 
             run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[

@@ -19,12 +19,14 @@ Tiny configs of the same class are the offline demo's policy.
 
 import math
 import os
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+from fast.logprobs import token_nll
 from policy.hf_folder import (
     config_fields,
     read_json,
@@ -33,7 +35,6 @@ from policy.hf_folder import (
     write_config,
     write_weights,
 )
-from fast.logprobs import token_nll
 
 
 @dataclass

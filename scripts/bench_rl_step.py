@@ -29,10 +29,10 @@ import torch
 import chat_rl
 from engine import Engine
 from fast import packed_linear
-from scripts import make_demo_model
 from policy.gpt import GPT, GPTConfig
-from tasks import arith
 from policy.tokenizer import ByteTokenizer
+from scripts import make_demo_model
+from tasks import arith
 
 SHAPES = {
     "qwen2.5-0.5b": dict(

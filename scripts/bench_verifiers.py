@@ -7,7 +7,9 @@ worker is killed for running past its deadline). tests/ reuse adversarial_cases(
 the same inputs are bounded and raise nothing, without timing them.
 """
 
-import random, sys, time
+import random
+import sys
+import time
 
 from tasks import gsm8k, mathtask
 

@@ -14,7 +14,9 @@ BY_OUR_RULES with the rule, is reported but accepted. The run prints every disag
 totals; it exits 1 if there is a false pass or an unaccepted false fail. --all prints every case.
 """
 
-import json, os, sys
+import json
+import os
+import sys
 
 from tasks import mathtask
 

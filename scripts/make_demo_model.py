@@ -31,9 +31,9 @@ from tqdm import tqdm
 from calculator import calculate
 from chat_rl import make_batch
 from policy.gpt import GPT, GPTConfig
+from policy.tokenizer import ByteTokenizer
 from tasks import arith
 from tasks.common import conversation
-from policy.tokenizer import ByteTokenizer
 
 # ---- hyperparameters -----------------------------------------------------------------------
 CONFIG = dict(

@@ -25,7 +25,16 @@ equations x=5 vs 5), and the Math-Verify gaps we close here:
   never imports sympy: only the worker does, and it loads this file alone, not mathtask.
 """
 
-import atexit, json, math, os, re, select, subprocess, sys, threading, time
+import atexit
+import json
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
 from fractions import Fraction
 from functools import lru_cache
 
@@ -59,6 +68,7 @@ def _exact_number(text):
 @lru_cache(maxsize=1)
 def _sympy_tools():
     import logging
+
     from latex2sympy2_extended import latex2sympy2 as l2s
     from latex2sympy2_extended.math_normalization import NormalizationConfig, normalize_latex
     from math_verify.grader import should_treat_as_complex, verify
@@ -164,7 +174,8 @@ class _OverBudget(BaseException):  # BaseException: sympy's "except Exception" m
 
 
 def _serve():
-    import resource, signal
+    import resource
+    import signal
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)  # lower the soft limit only, never raise it
     soft = MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_BYTES, hard)

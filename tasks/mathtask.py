@@ -57,7 +57,8 @@ Math-Verify gaps we work around here (math_sandbox's docstring lists the ones it
   number token exactly too, so no Float ever reaches verify.
 """
 
-import re, unicodedata
+import re
+import unicodedata
 from fractions import Fraction
 from functools import lru_cache
 

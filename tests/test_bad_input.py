@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import chat_rl
-from plumbing import flags
-from plumbing import checkpoint
+from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 import chat_rl
 from plumbing.distributed import sync_gradients
 from policy.gpt import GPT, GPTConfig
-from policy.tokenizer import ByteTokenizer
 
 NUM_SAMPLES, DEVICE_BATCH_SIZE = 2, 3
 CONFIG = dict(

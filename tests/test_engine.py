@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import Engine, KVCache, compaction_moves
+from engine import Engine, compaction_moves
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 

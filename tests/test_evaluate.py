@@ -6,9 +6,9 @@ import torch
 
 import chat_rl
 from engine import Samples
+from policy.tokenizer import ByteTokenizer
 from tasks import arith
 from tasks.common import conversation
-from policy.tokenizer import ByteTokenizer
 
 K = 4
 RIGHT = [0, 1, 2, 4]

@@ -20,10 +20,8 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import chat_rl
-from plumbing import checkpoint
-from plumbing import flags
-from plumbing import fsdp
 from engine import Engine
+from plumbing import checkpoint, flags, fsdp
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 

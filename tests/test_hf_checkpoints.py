@@ -14,9 +14,8 @@ import torch
 from safetensors import safe_open
 
 import chat_rl
-from plumbing import checkpoint
-from plumbing import flags
 from engine import Engine
+from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig, config_from_hf
 from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -521,6 +520,7 @@ def test_chat_rl_trains_from_a_hugging_face_folder_and_its_checkpoint_loads_in_t
 ):
     # --model=<folder transformers wrote>: a Qwen2 model with its own BPE tokenizer and chat template
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from tasks import arith
 
     # a random model is never right: grade by the parity of the completion's length so groups disagree

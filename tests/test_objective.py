@@ -14,9 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import chat_rl
-from plumbing import checkpoint
-from plumbing import flags
 from fast import logprobs
+from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 

@@ -11,8 +11,8 @@ import torch
 import chat_rl
 from fast import logprobs
 from plumbing.flags import RunError
-from policy.gpt import GPT, GPTConfig
 from plumbing.metrics import check_nonfinite
+from policy.gpt import GPT, GPTConfig
 
 
 class LinearNLLModel(torch.nn.Module):

@@ -4,8 +4,8 @@ and that each completion is scored against its own problem."""
 import pytest
 
 import chat_rl
-from plumbing import checkpoint
 from engine import Engine
+from plumbing import checkpoint
 from tasks import arith
 from tasks.common import conversation
 

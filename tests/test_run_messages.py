@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import chat_rl
-from plumbing import checkpoint
-from plumbing import flags
-from policy.gpt import GPT, GPTConfig
+from plumbing import checkpoint, flags
 from plumbing.metrics import Eta, MetricsLog, console_line, stop_line
+from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 
 TINY = dict(

@@ -9,8 +9,8 @@ import pytest
 
 import chat_rl
 from policy.gpt import GPT, GPTConfig
-from tasks.common import get_task
 from policy.tokenizer import ByteTokenizer
+from tasks.common import get_task
 
 GSM8K_ROWS = [
     {

@@ -1,17 +1,15 @@
 """The engine calls the calculator mid-decode: forced results masked 0, any tokenizer, compaction, seeds."""
 
 import json
-import os
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from calculator import calculate
 from engine import Engine
+from fast.tool_calls import IN, LT, OUT, _run
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer, load_tokenizer
-from fast.tool_calls import IN, LT, OUT, _run
 
 STOP = 260  # <|assistant_end|> of the byte tokenizer
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 import chat_rl
-from plumbing import checkpoint
-from plumbing import flags
 import test_hf_checkpoints as hf_ckpt  # a module object, so pytest does not collect its tests twice
 from engine import Engine
+from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig
-from tasks import gsm8k
 from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tasks import gsm8k
 
 # ---------------------------------------------------------------------------------------------
 # The byte tokenizer (the demo's) as a standard Hugging Face tokenizer: tokenizer.json + chat template.
@@ -43,8 +42,10 @@ def random_text(rng, n):
 
 def test_byte_tokenizer_json_gives_the_same_ids(tmp_path):
     import random
+
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import AutoTokenizer
+
     from policy.tokenizer import BYTE_CHARS, SPECIAL_TOKENS
 
     assert sorted(BYTE_CHARS.values()) == sorted(
