@@ -1,20 +1,23 @@
 """
-Batched sampling for RL's rollouts, twice: a plain reference sampler to read first, then the fast Engine that the
-tests hold to it, token for token.
+Batched sampling for RL's rollouts, twice: a plain reference sampler to read first, then the
+fast Engine that the tests hold to it, token for token.
 
-How a token is drawn, in both. All of a call's random numbers are drawn up front (uniforms): row b's token t uses
-u[b, t]. Each prompt's rows can have a seeded generator of their own, so a problem samples alike whatever else
-shares its batch. The token is where u[b, t] falls in the row's cumulative probabilities, walked in vocabulary
-order (inverse CDF: one softmax pass, not a random number per vocabulary entry as the Gumbel-max trick needs). So a
-row's token depends only on its own logits and its own number, and the same seed gives the same samples. (Logits
-can still move in the last bit with the batch's size or the cache, as any batched matmul's do; where that crosses
-the boundary between two tokens, the draw differs.)
+How a token is drawn, in both. All of a call's random numbers are drawn up front (uniforms):
+row b's token t uses u[b, t]. Each prompt's rows can have a seeded generator of their own, so a
+problem samples alike whatever else shares its batch. The token is where u[b, t] falls in the
+row's cumulative probabilities, walked in vocabulary order (inverse CDF: one softmax pass, not
+a random number per vocabulary entry as the Gumbel-max trick needs). So a row's token depends
+only on its own logits and its own number, and the same seed gives the same samples. (Logits
+can still move in the last bit with the batch's size or the cache, as any batched matmul's do;
+where that crosses the boundary between two tokens, the draw differs.)
 
-generate_reference samples a batch the simplest correct way: one loop over token positions t, the model rerun over
-every running row's whole sequence at each, each row's calculator state in plain Python.
+generate_reference samples a batch the simplest correct way: one loop over token positions t,
+the model rerun over every running row's whole sequence at each, each row's calculator state in
+plain Python.
 
-The Engine samples the same rows with a KV cache, each prompt's shared by its samples, and finished rows compacted
-out of the batch (its class says how); the tests hold it to generate_reference.
+The Engine samples the same rows with a KV cache, each prompt's shared by its samples, and
+finished rows compacted out of the batch (its class says how); the tests hold it to
+generate_reference.
 """
 
 import re
@@ -38,11 +41,12 @@ class Samples(NamedTuple):
 
 def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
     """
-    The call's random numbers, (B, max_new_tokens): row b's token t draws with u[b, t]. seed: one number for the
-    whole call, or a list of one per prompt, whose num_samples rows then draw from that prompt's own stream,
-    whatever else shares the batch (so that a problem samples alike on 1 rank or on 8). The same seed gives the same
-    numbers on one device type (CPU and CUDA generators differ), and for one max_new_tokens (which sets the numbers
-    each row takes from its stream).
+    The call's random numbers, (B, max_new_tokens): row b's token t draws with u[b, t]. seed:
+    one number for the whole call, or a list of one per prompt, whose num_samples rows then
+    draw from that prompt's own stream, whatever else shares the batch (so that a problem
+    samples alike on 1 rank or on 8). The same seed gives the same numbers on one device type
+    (CPU and CUDA generators differ), and for one max_new_tokens (which sets the numbers each
+    row takes from its stream).
     """
     if isinstance(seed, int):
         return torch.rand(
@@ -65,10 +69,10 @@ def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
     )
 
 
-# A calculator call fires when the token just written ends in '=' and the text then ends in '<<', an expression (one
-# line, no '<', '>' or '=') and that '=': "so <<48/2=" calls 48/2, and "24>>" is then written in, one token per
-# position. A longer run of '<' pairs up from its start: "<<<<3=" calls 3, "<<<3=" nothing
-# (tests/test_reference_sampler.py).
+# A calculator call fires when the token just written ends in '=' and the text then ends in
+# '<<', an expression (one line, no '<', '>' or '=') and that '=': "so <<48/2=" calls 48/2, and
+# "24>>" is then written in, one token per position. A longer run of '<' pairs up from its
+# start: "<<<<3=" calls 3, "<<<3=" nothing (tests/test_reference_sampler.py).
 CALL = re.compile(r"(?:^|[^<])(?:<<)+[^<>\n=]*=\Z")
 
 
@@ -86,27 +90,25 @@ def generate_reference(
     include_stop=False,
 ):
     """
-    The plain sampler, and the reference the tests hold the Engine to: for the same arguments (tool given to the
-    Engine's constructor), the same Samples, token for token. No cache: at each position t the model
-    runs over every running row's whole sequence, right-padded (under causal attention, padding after a row's
-    last real token changes nothing there), and row b draws its token t with u[b, t]. A row's calculator
-    state is plain Python: its completion's text and the result tokens it has still to write. A result token takes
-    a position's place: the model still runs there, u[b, t] goes unused, and the token counts toward max_new_tokens.
-    The Engine computes the same rows with a KV cache (each prompt's shared by its samples), compacts finished
-    rows out of the batch, and spots calls on the device with an automaton equivalent to CALL.
+    The plain sampler, and the reference the tests hold the Engine to: for the same arguments
+    (tool given to the Engine's constructor), the same Samples, token for token. No cache: at
+    each position t the model runs over every running row's whole sequence, right-padded (under
+    causal attention, padding after a row's last real token changes nothing there), and row b
+    draws its token t with u[b, t]. A row's calculator state is plain Python: its completion's
+    text and the result tokens it has still to write. A result token takes a position's place:
+    the model still runs there, u[b, t] goes unused, and the token counts toward
+    max_new_tokens. The Engine computes the same rows with a KV cache (each prompt's shared by
+    its samples), compacts finished rows out of the batch, and spots calls on the device with
+    an automaton equivalent to CALL.
     """
     device = model.lm_head.weight.device
     B = len(prompts) * num_samples
     u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device)
     prompt = [list(prompts[b // num_samples]) for b in range(B)]
-    new, mask = (
-        [[] for _ in range(B)],
-        [[] for _ in range(B)],
-    )  # each row's generated tokens, and 1 where sampled
-    text, pending = (
-        [""] * B,
-        [[] for _ in range(B)],
-    )  # its completion's text, the tool's tokens to come
+    # each row's generated tokens, and 1 where sampled
+    new, mask = [[] for _ in range(B)], [[] for _ in range(B)]
+    # its completion's text, the tool's tokens to come
+    text, pending = [""] * B, [[] for _ in range(B)]
     calls, errors = [0] * B, [0] * B
     running = list(range(B))
     for t in range(max_new_tokens):
@@ -129,17 +131,14 @@ def generate_reference(
                 continue
             still_running.append(b)
             piece = tokenizer.decode([token])
-            text[b] += (
-                piece  # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
-            )
+            # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
+            text[b] += piece
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
                 calls[b] += 1
-                written = tokenizer.decode(
-                    new[b]
-                )  # decoded together: a token alone can split a character, drop a space
-                result = tool(
-                    written[written.rfind("<<") + 2 : -1]
-                )  # after the last '<<', before the '='
+                # decoded together: a token alone can split a character, drop a space
+                written = tokenizer.decode(new[b])
+                # the expression: after the last '<<', before the '='
+                result = tool(written[written.rfind("<<") + 2 : -1])
                 if result is None:
                     errors[b] += 1
                 else:
@@ -147,9 +146,8 @@ def generate_reference(
         running = still_running
     sequences, masks = [], []
     for b in range(B):
-        if (
-            new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop
-        ):  # the stop token kept only on request
+        # the stop token kept only on request
+        if new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop:
             new[b], mask[b] = new[b][:-1], mask[b][:-1]
         sequences.append(prompt[b] + new[b])
         masks.append([0] * len(prompt[b]) + mask[b])
@@ -158,9 +156,10 @@ def generate_reference(
 
 def sample_reference(logits, u, temperature, top_k):
     """
-    logits (B, V), u (B,) in [0, 1) -> token ids (B,): for each row the first token, in vocabulary order, whose
-    cumulative probability exceeds u * total, under softmax(logits / temperature) restricted to the entries
-    >= the k-th largest (ties with it kept). temperature 0 = argmax, u unused.
+    logits (B, V), u (B,) in [0, 1) -> token ids (B,): for each row the first token, in
+    vocabulary order, whose cumulative probability exceeds u * total, under
+    softmax(logits / temperature) restricted to the entries >= the k-th largest (ties with it
+    kept). temperature 0 = argmax, u unused.
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
@@ -170,8 +169,9 @@ def sample_reference(logits, u, temperature, top_k):
         logits = logits.masked_fill(logits < kth, float("-inf"))
     cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
     token = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
-    # if rounding puts u * total at or past the last sum, take the last token that added probability (the first
-    # place the cumulative sum reaches its maximum): a token the row could draw
+    # if rounding puts u * total at or past the last sum, take the last token that added
+    # probability (the first place the cumulative sum reaches its maximum): a token the row
+    # could draw
     return torch.minimum(token, cdf.argmax(dim=-1, keepdim=True))[:, 0]
 
 
@@ -183,12 +183,12 @@ ROWS_X_VOCAB = 2**21  # the sampler's working set, rows x vocabulary entries at 
 
 def sample_next_token(logits, u, temperature=1.0, top_k=None):
     """
-    sample_reference's draws, faster: logits (B, V), u (B,) uniform numbers in [0, 1) -> token ids (B,), row b
-    drawn from softmax(logits[b] / temperature) restricted to its top_k entries (all entries tied with the
-    k-th largest are kept). temperature 0 = greedy argmax, u unused.
-    Rows go through in chunks of at most ROWS_X_VOCAB entries, so that at every position the softmax's
-    temporaries are the same few small tensors, reused from the caches and the allocator's free lists, rather
-    than fresh ones the size of all rows x the whole vocabulary.
+    sample_reference's draws, faster: logits (B, V), u (B,) uniform numbers in [0, 1) -> token
+    ids (B,), row b drawn from softmax(logits[b] / temperature) restricted to its top_k entries
+    (all entries tied with the k-th largest are kept). temperature 0 = greedy argmax, u unused.
+    Rows go through in chunks of at most ROWS_X_VOCAB entries, so that at every position the
+    softmax's temporaries are the same few small tensors, reused from the caches and the
+    allocator's free lists, rather than fresh ones the size of all rows x the whole vocabulary.
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
@@ -209,21 +209,22 @@ def _sample_rows(logits, u, temperature, top_k):
         logits = logits / temperature
     if not top_k or top_k >= logits.size(-1):
         return sample_from_probs(torch.softmax(logits, dim=-1), u)
-    # the k + 1 largest, in descending order: the first k are the candidates, unless the (k+1)-th ties the
-    # k-th (then more than k entries are >= the k-th, and all of them stay in)
+    # the k + 1 largest, in descending order: the first k are the candidates, unless the
+    # (k+1)-th ties the k-th (then more than k entries are >= the k-th, and all stay in)
     values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
     kth = values[:, top_k - 1 : top_k]
     if logits.is_cuda:  # every row over the whole vocabulary: a check for ties would be a host sync
         return sample_from_probs(
             torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u
         )
-    # sample among the k candidates only, no pass over the whole vocabulary; sorted by token id, so that the
-    # same u picks the same token here as on the paths that walk the whole vocabulary in id order
+    # sample among the k candidates only, no pass over the whole vocabulary; sorted by token
+    # id, so that the same u picks the same token here as on the paths that walk the whole
+    # vocabulary in id order
     candidates, order = ids[:, :top_k].sort(dim=-1)
     picked = sample_from_probs(torch.softmax(values[:, :top_k].gather(1, order), dim=-1), u)
     token = candidates.gather(1, picked[:, None])[:, 0]
-    # a row with a tie at the k-th keeps every tied entry, over its whole row: each row's path depends on its own
-    # logits alone
+    # a row with a tie at the k-th keeps every tied entry, over its whole row: each row's path
+    # depends on its own logits alone
     tied = values[:, top_k] == kth[:, 0]
     if bool(tied.any()):
         rows, kth = logits[tied], kth[tied]
@@ -235,62 +236,60 @@ def _sample_rows(logits, u, temperature, top_k):
 
 def sample_from_probs(probs, u):
     """
-    Inverse CDF, two levels: probs (B, V) >= 0, each row with a positive sum (need not be 1), u (B,)
-    in [0, 1) -> for each row the first token whose cumulative probability exceeds u * total.
-    A full-row cumsum would be a second slow serial pass over the vocabulary; instead sum blocks of
-    BLOCK tokens (one vectorized pass), pick the block on the (B, V / BLOCK) running sums, and run the
-    cumsum only inside that block (B, BLOCK).
-    A token of probability 0 (cut by top-k, or the zeros padding V to whole blocks) is never returned:
-    searchsorted(right=True) finds the first running sum strictly above the target, and a zero entry
-    does not raise the running sum; where rounding puts the target at or past the last running sum,
-    the index is clamped to the last entry that raised it (a positive one).
+    Inverse CDF, two levels: probs (B, V) >= 0, each row with a positive sum (need not be 1),
+    u (B,) in [0, 1) -> for each row the first token whose cumulative probability exceeds
+    u * total.
+    A full-row cumsum would be a second slow serial pass over the vocabulary; instead sum
+    blocks of BLOCK tokens (one vectorized pass), pick the block on the (B, V / BLOCK) running
+    sums, and run the cumsum only inside that block (B, BLOCK).
+    A token of probability 0 (cut by top-k, or the zeros padding V to whole blocks) is never
+    returned: searchsorted(right=True) finds the first running sum strictly above the target,
+    and a zero entry does not raise the running sum; where rounding puts the target at or
+    past the last running sum, the index is clamped to the last entry that raised it (a
+    positive one).
     """
     B, V = probs.shape
     n_blocks = -(-V // BLOCK)
-    if (
-        n_blocks * BLOCK > V
-    ):  # zeros up to whole blocks: they weigh nothing, so they are never drawn
+    # zeros up to whole blocks: they weigh nothing, so they are never drawn
+    if n_blocks * BLOCK > V:
         probs = torch.nn.functional.pad(probs, (0, n_blocks * BLOCK - V))
     blocks = probs.view(B, n_blocks, BLOCK)
     block_sums = blocks.sum(dim=-1)  # (B, n_blocks)
     running = block_sums.cumsum(dim=-1)
     target = u[:, None].to(running.dtype) * running[:, -1:]  # (B, 1)
     block = first_above(running, target)  # (B, 1)
-    # the running sum before the chosen block; rounding may put it an ulp above the target: clamp the rest at 0,
-    # which then picks the block's first positive entry
+    # the running sum before the chosen block; rounding may put it an ulp above the target:
+    # clamp the rest at 0, which then picks the block's first positive entry
     rest = (target - (running - block_sums).gather(1, block)).clamp(min=0)
-    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[
-        :, 0
-    ]  # (B, BLOCK): the chosen block's entries
+    # (B, BLOCK): the chosen block's entries
+    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[:, 0]
     return (block * BLOCK + first_above(inside.cumsum(dim=-1), rest))[:, 0]
 
 
 def first_above(running, target):
-    """Index (B, 1) of the first entry of running (B, n), nondecreasing, strictly above target (B, 1),
-    clamped to the first entry equal to the row's last (the last one that raised the running sum: the
-    first maximum, which argmax returns)."""
+    """Index (B, 1) of the first entry of running (B, n), nondecreasing, strictly above target
+    (B, 1), clamped to the first entry equal to the row's last (the last one that raised the
+    running sum: the first maximum, which argmax returns)."""
     last_raise = running.argmax(dim=-1, keepdim=True)
     return torch.minimum(torch.searchsorted(running, target.contiguous(), right=True), last_raise)
 
 
 def compaction_moves(keep, n_keep):
     """
-    keep (n,) bool with n_keep True entries -> (holes, fillers, order): the moves that put the kept rows in the
-    first n_keep batch slots. A leaving row in front (a hole) takes a kept row from the back (a filler); the other
-    kept rows stay where they are, so a compaction copies at most min(leaving, kept) rows rather than all kept ones.
-    order (n_keep,): the old slot of each new one. Computed without a host sync (nonzero would need one to size its
-    result): the number of moves m stays on the device, so both lists hold c = min(n - n_keep, n_keep) entries, and
-    entries past m move a kept front row onto itself.
+    keep (n,) bool with n_keep True entries -> (holes, fillers, order): the moves that put the
+    kept rows in the first n_keep batch slots. A leaving row in front (a hole) takes a kept row
+    from the back (a filler); the other kept rows stay where they are, so a compaction copies
+    at most min(leaving, kept) rows rather than all kept ones.
+    order (n_keep,): the old slot of each new one. Computed without a host sync (nonzero would
+    need one to size its result): the number of moves m stays on the device, so both lists hold
+    c = min(n - n_keep, n_keep) entries, and entries past m move a kept front row onto itself.
     """
     n = keep.size(0)
     c = min(n - n_keep, n_keep)
     front_kept = keep[:n_keep]
-    holes = torch.argsort(front_kept.to(torch.uint8), stable=True)[
-        :c
-    ]  # the front's leaving rows first
-    fillers = (
-        n_keep + torch.argsort((~keep[n_keep:]).to(torch.uint8), stable=True)[:c]
-    )  # the back's kept rows first
+    # the front's leaving rows first, and the back's kept rows first
+    holes = torch.argsort(front_kept.to(torch.uint8), stable=True)[:c]
+    fillers = n_keep + torch.argsort((~keep[n_keep:]).to(torch.uint8), stable=True)[:c]
     # as many kept rows at the back as leaving ones at the front: m of each
     fillers = torch.where(torch.arange(c, device=keep.device) < (~front_kept).sum(), fillers, holes)
     order = torch.arange(n_keep, device=keep.device).index_copy_(0, holes, fillers)
@@ -298,36 +297,42 @@ def compaction_moves(keep, n_keep):
 
 
 def next_logits(model, token, cache):
-    """token (B,) -> next-token logits (B, V): one token per row through the model, its keys and values cached."""
+    """token (B,) -> next-token logits (B, V): one token per row through the model, its keys
+    and values cached."""
     return model(token[:, None], kv_cache=cache)[:, -1]
 
 
 class Engine:
     """
-    Engine.generate samples the same rows as generate_reference, P prompts of different lengths x S completions each,
-    as one batch of B = P * S rows, and wastes no work:
-      1. prefill: the prompts are left-padded into one (P, T) batch and run through the model once. The KV cache knows
-         each prompt's pad count, so padding is neither attended to nor counted in RoPE positions: a left-padded
-         prompt computes what it computes alone, up to the last bit.
+    Engine.generate samples the same rows as generate_reference, P prompts of different
+    lengths x S completions each, as one batch of B = P * S rows, and wastes no work:
+      1. prefill: the prompts are left-padded into one (P, T) batch and run through the model
+         once. The KV cache knows each prompt's pad count, so padding is neither attended to
+         nor counted in RoPE positions: a left-padded prompt computes what it computes alone,
+         up to the last bit.
       2. share: each prompt's keys and values serve all its S samples, stored once.
-      3. decode: one token per running row at each position t, each a forward pass over one position. A finished row
-         keeps decoding (its tokens discarded) until enough rows have finished to be worth a compaction: running rows
-         from the back of the batch then move into the finished rows' slots, and the batch ends where they end. So
-         finished rows stop costing the model's matmuls and the attention to their own keys (the attention to a
-         prompt's keys still runs over its S slots, zeros where a row has left: one matmul per prompt either way).
-      (The Engine stores u transposed, so position t reads u[t] as one contiguous slice; a compaction moves each row's
-      column with it.) The KV cache, and how the model talks to it, are in fast/kv_cache.py; the Engine's calculator
-      calls in fast/tool_calls.py.
+      3. decode: one token per running row at each position t, each a forward pass over one
+         position. A finished row keeps decoding (its tokens discarded) until enough rows have
+         finished to be worth a compaction: running rows from the back of the batch then move
+         into the finished rows' slots, and the batch ends where they end. So finished rows
+         stop costing the model's matmuls and the attention to their own keys (the attention to
+         a prompt's keys still runs over its S slots, zeros where a row has left: one matmul
+         per prompt either way).
+      (The Engine stores u transposed, so position t reads u[t] as one contiguous slice; a
+      compaction moves each row's column with it.) The KV cache, and how the model talks to it,
+      are in fast/kv_cache.py; the Engine's calculator calls in fast/tool_calls.py.
 
     model, tokenizer: the policy and its tokenizer (stop_tokens, vocab_size).
-    compact_at: compact the batch (drop finished rows and their KV cache) once at least this share of
-        its rows has finished; 0 = as soon as one has, None = never. A compaction copies running rows from
-        the back into finished rows' slots, at most min(finished, running) rows and only their written own
-        slots (compaction_moves), while shrinking the batch by a share saves that share of the model's work at
-        every later position.
-    tool: a function from an expression to its result text or None (calculator.calculate), called when a
-        row writes GSM8K's `<<expression=`; its result and `>>` are forced into the row (fast/tool_calls.py).
-        None: no tool, and a row that writes `<<` is sampled like any other.
+    compact_at: compact the batch (drop finished rows and their KV cache) once at least this
+        share of its rows has finished; 0 = as soon as one has, None = never. A compaction
+        copies running rows from the back into finished rows' slots, at most
+        min(finished, running) rows and only their written own slots (compaction_moves), while
+        shrinking the batch by a share saves that share of the model's work at every later
+        position.
+    tool: a function from an expression to its result text or None (calculator.calculate),
+        called when a row writes GSM8K's `<<expression=`; its result and `>>` are forced into
+        the row (fast/tool_calls.py). None: no tool, and a row that writes `<<` is sampled like
+        any other.
     """
 
     def __init__(self, model, tokenizer, compact_at=0.125, tool=None):
@@ -335,27 +340,25 @@ class Engine:
         self.tokenizer = tokenizer
         self.compact_at = compact_at
         self.tool = tool
-        self.tool_tables = (
-            None  # fast/tool_calls.call_tables of the tokenizer, built at the first call
-        )
+        # fast/tool_calls.call_tables of the tokenizer, built at the first call
+        self.tool_tables = None
 
     @torch.no_grad()
     def prefill(self, prompts, num_samples, max_new_tokens):
         """
-        Parts 1-2 of generate: prompts (P token-id lists) -> the logits of each row's first token
-        (P * num_samples, V), prompt-major, and the KV cache, with room for max_new_tokens tokens of each row.
+        Parts 1-2 of generate: prompts (P token-id lists) -> the logits of each row's first
+        token (P * num_samples, V), prompt-major, and the KV cache, with room for
+        max_new_tokens tokens of each row.
         """
         model, device = self.model, self.model.lm_head.weight.device
         prompt_lengths = [len(p) for p in prompts]
         assert min(prompt_lengths) > 0, "every prompt needs at least one token"
         T = max(prompt_lengths)
-        ids = torch.tensor(
-            [[0] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device
-        )  # one copy to the device
+        left_padded = [[0] * (T - len(p)) + list(p) for p in prompts]
+        ids = torch.tensor(left_padded, dtype=torch.long, device=device)  # one copy to the device
         pad = torch.tensor([T - n for n in prompt_lengths], dtype=torch.long, device=device)
-        rope = model.rope(torch.arange(T + max_new_tokens, device=device)[None])[
-            0, 0
-        ]  # (max_len, D/2, 2)
+        # (max_len, D/2, 2)
+        rope = model.rope(torch.arange(T + max_new_tokens, device=device)[None])[0, 0]
         cache = KVCache(model.config.num_hidden_layers, pad, max_new_tokens, rope)
         logits = model(ids, kv_cache=cache)[:, -1]  # once per prompt
         cache.share(num_samples)  # its keys serve all its samples
@@ -376,7 +379,8 @@ class Engine:
             prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
         )[:2]
 
-    @torch.no_grad()  # not inference_mode: under it autocast keeps no cast weights and casts each one for every token
+    # not inference_mode: under it autocast keeps no cast weights, and casts each one per token
+    @torch.no_grad()
     def generate(
         self,
         prompts,
@@ -388,14 +392,17 @@ class Engine:
         include_stop=False,
     ):
         """
-        prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls, tool_errors), P * num_samples
-        rows, prompt-major: generate_reference's for the same arguments. sequence = prompt + generated tokens (the
-        stop token excluded, unless include_stop: RL wants it, since ending the answer is a choice the policy
-        makes too); mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its results).
-        Forced tokens count toward max_new_tokens: each takes a position and a slot of the row's KV cache, which
-        max_new_tokens sizes, and the budget then bounds the sequence the loss runs as well.
+        prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls,
+        tool_errors), P * num_samples rows, prompt-major: generate_reference's for the same
+        arguments. sequence = prompt + generated tokens (the stop token excluded, unless
+        include_stop: RL wants it, since ending the answer is a choice the policy makes too);
+        mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its
+        results). Forced tokens count toward max_new_tokens: each takes a position and a slot
+        of the row's KV cache, which max_new_tokens sizes, and the budget then bounds the
+        sequence the loss runs as well.
         """
-        # on the CPU the large matmuls take their weights packed once for the call (fast/packed_linear.py)
+        # on the CPU the large matmuls take their weights packed once for the call
+        # (fast/packed_linear.py)
         with packed_linears(self.model, rows=len(prompts) * num_samples):
             return self._generate(
                 prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
@@ -407,40 +414,34 @@ class Engine:
         """generate's work: parts 1-3 of the class's docstring."""
         model, device = self.model, self.model.lm_head.weight.device
         stop = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        vocab = (
-            self.tokenizer.vocab_size
-        )  # a model's embedding table may be padded past it: those rows are not tokens
+        # a model's embedding table may be padded past it: those rows are not tokens
+        vocab = self.tokenizer.vocab_size
         logits, cache = self.prefill(prompts, num_samples, max_new_tokens)
         B = logits.size(0)
         u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device).T.contiguous()
-        out = torch.zeros(
-            max_new_tokens, B, dtype=torch.long, device=device
-        )  # out[t, b]: original row b's token t
-        row_ids = torch.arange(
-            B, device=device
-        )  # original index of each row in the batch, in batch order
-        positions = torch.arange(
-            max_new_tokens + 1, device=device
-        )  # positions[t]: t as a tensor, made once
-        # each batch row's completion length: the position of its first stop token, max_new_tokens while it runs
+        # out[t, b]: original row b's token t
+        out = torch.zeros(max_new_tokens, B, dtype=torch.long, device=device)
+        # original index of each row in the batch, in batch order
+        row_ids = torch.arange(B, device=device)
+        # positions[t]: t as a tensor, made once
+        positions = torch.arange(max_new_tokens + 1, device=device)
+        # each batch row's completion length: the position of its first stop token,
+        # max_new_tokens while it runs
         length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-        completion_lengths = (
-            length.clone()
-        )  # the same by original row, recorded as rows leave the batch
+        # the same by original row, recorded as rows leave the batch
+        completion_lengths = length.clone()
         tools = None
         if self.tool is not None:
             if self.tool_tables is None:
                 self.tool_tables = call_tables(self.tokenizer, device)
             tools = ToolCalls(self.tool, self.tokenizer, self.tool_tables, B, device)
-            forced = torch.zeros(
-                max_new_tokens, B, dtype=torch.bool, device=device
-            )  # forced[t, b]: the tool wrote out[t, b]
+            # forced[t, b]: the tool wrote out[t, b]
+            forced = torch.zeros(max_new_tokens, B, dtype=torch.bool, device=device)
         for t in range(max_new_tokens):
             n_rows = row_ids.size(0)
             token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
-            if (
-                tools is not None
-            ):  # a row inside a tool's answer takes its next result token instead
+            # a row inside a tool's answer takes its next result token instead
+            if tools is not None:
                 token, forced_now, called = tools.feed(t, token, length == max_new_tokens)
                 forced[t].index_copy_(0, row_ids, forced_now)
             out[t].index_copy_(0, row_ids, token)
@@ -451,9 +452,8 @@ class Engine:
             if tools is None:
                 n_finished = int((length < max_new_tokens).sum())  # the position's one host sync
             else:
-                n_finished, n_called = torch.stack(
-                    [(length < max_new_tokens).sum(), called.sum()]
-                ).tolist()  # still one
+                counts = torch.stack([(length < max_new_tokens).sum(), called.sum()])
+                n_finished, n_called = counts.tolist()  # still one
                 if n_called:
                     tools.answer(t, called, row_ids, out)
             if n_finished == n_rows or t == max_new_tokens - 1:
@@ -464,30 +464,26 @@ class Engine:
                 and n_finished > 0
                 and n_finished >= self.compact_at * n_rows
             ):
-                completion_lengths.index_copy_(
-                    0, row_ids, length
-                )  # finished rows leave: record their lengths first
+                # finished rows leave: record their lengths first
+                completion_lengths.index_copy_(0, row_ids, length)
                 keep = length == max_new_tokens  # the running rows
                 holes, fillers, order = compaction_moves(keep, n_keep)
                 row_ids, length, token, u = row_ids[order], length[order], token[order], u[:, order]
-                cache.keep_rows(
-                    holes, fillers, row_ids, written=t
-                )  # tokens 0..t-1 are in; token t is fed next
+                # tokens 0..t-1 are in; token t is fed next
+                cache.keep_rows(holes, fillers, row_ids, written=t)
                 if tools is not None:
                     tools.keep_rows(order)
             logits = next_logits(model, token, cache)
         completion_lengths.index_copy_(0, row_ids, length)
 
         out, completion_lengths = out.T.tolist(), completion_lengths.tolist()
-        sampled = (
-            [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()
-        )  # 0: forced by the tool
+        # 0 where the tool forced the token
+        sampled = [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()
         sequences, masks = [], []
         for row, n in enumerate(completion_lengths):
             prompt = prompts[row // num_samples]
-            n += int(
-                include_stop and n < max_new_tokens
-            )  # a row that ran out of tokens has no stop token
+            # a row that ran out of tokens has no stop token
+            n += int(include_stop and n < max_new_tokens)
             sequences.append(list(prompt) + out[row][:n])
             masks.append([0] * len(prompt) + sampled[row][:n])
         calls, errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)

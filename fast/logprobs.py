@@ -1,12 +1,12 @@
 """
-The fast path of the loss's log-probs: chat_rl.plain_logprobs, computed to waste nothing, and held to it by
-tests/test_fast_logprobs.py. What it does differently, and why:
+The fast path of the loss's log-probs: chat_rl.plain_logprobs, computed to waste nothing, and
+held to it by tests/test_fast_logprobs.py. What it does differently, and why:
 
     fast_logprobs(model, inputs, targets, temperature, loss_grad)
-      -> make_shared_batch: each distinct prompt once (the 16 samples of a problem share it, and it is
-         often longer than their answers); a row keeps only its own tokens
-      -> model.hidden_states(..., SharedPrefix): the prefixes and the rows' own tokens as one flat sequence,
-         attention put back into padded slots (SharedPrefix, below)
+      -> make_shared_batch: each distinct prompt once (the 16 samples of a problem share it,
+         and it is often longer than their answers); a row keeps only its own tokens
+      -> model.hidden_states(..., SharedPrefix): the prefixes and the rows' own tokens as one
+         flat sequence, attention put back into padded slots (SharedPrefix, below)
       -> SampledLogprobs: the head chunk by chunk, never all (tokens, vocabulary) logits at once;
          and, given loss_grad, a guess of the gradient the loss will send back to the log-probs,
          the head's gradients made in the same pass over each chunk's logits, not by projecting
@@ -15,9 +15,10 @@ tests/test_fast_logprobs.py. What it does differently, and why:
 Guess makes loss_grad from chat_rl.objective itself: exact for a loss linear in the log-probs (the
 default), whose head is then projected once; for another (a KL term, a ratio) the backward pass
 finds the guess wrong and projects again, as token_nll does: any objective gets its own gradient.
-token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised training), whose
-gradient is not known in advance: its backward pass projects each chunk again. micro_batches orders the rows and
-bounds those of one pass; RolloutLogprobs keeps their log-probs across --ppo-epochs.
+token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised
+training), whose gradient is not known in advance: its backward pass projects each chunk again.
+micro_batches orders the rows and bounds those of one pass; RolloutLogprobs keeps their
+log-probs across --ppo-epochs.
 """
 
 import torch
@@ -26,9 +27,10 @@ import torch.nn.functional as F
 
 def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
     """
-    chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out -> logp (B, T) fp32, the
-    log-probability under softmax(logits / temperature) of each target, 0 where targets is -1, the softmax over the
-    head's first vocab_size rows (None: all of them).
+    chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out ->
+    logp (B, T) fp32, the log-probability under softmax(logits / temperature) of each target,
+    0 where targets is -1, the softmax over the head's first vocab_size rows (None: all of
+    them).
     loss_grad (B, T): a guess of the gradient the loss will send back to logp (Guess). Given, the
     head's gradients are made for it in the forward pass, handed over if the gradient that arrives
     is that one, made again for the one that arrives if not; None: the head is projected again in
@@ -38,16 +40,13 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
         inputs, targets
     )
     layout = SharedPrefix(model.rope, prefix_ids, prefix_lengths, row_prefix, own_targets)
-    h = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)[
-        0, layout.num_prefix_tokens :
-    ]  # (own tokens, C)
-    h = h[
-        own_targets[layout.own_real] >= 0
-    ]  # the positions with a target, row-major: targets[sampled]'s order
+    hidden = model.hidden_states(layout.pack(prefix_ids, own_inputs), layout)
+    h = hidden[0, layout.num_prefix_tokens :]  # (own tokens, C)
+    # the positions with a target, row-major: targets[sampled]'s order
+    h = h[own_targets[layout.own_real] >= 0]
     sampled = targets >= 0
-    weight = model.lm_head.weight[
-        :vocab_size
-    ]  # rows past the tokenizer's vocabulary pad the embedding: never sampled
+    # rows past the tokenizer's vocabulary pad the embedding: never sampled
+    weight = model.lm_head.weight[:vocab_size]
     chunk = max(1, LOGITS_PER_CHUNK // weight.size(0))
     if loss_grad is None:
         logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
@@ -58,25 +57,24 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
 
 
-LOGITS_PER_CHUNK = (
-    2**24
-)  # the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
+# the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
+LOGITS_PER_CHUNK = 2**24
 
 
 def make_shared_batch(inputs, targets):
     """
-    (inputs, targets) of whole rows (B, T) -> the same targets laid out so that each distinct prompt runs once
-    (SharedPrefix): a row's prompt is its tokens before its first target; its prefix is that prompt less its last
-    token, whose position predicts the first target and so starts the row's own part, which ends at its last target
-    (what follows feeds no target). Returns prefix_ids (G, P) right-padded, prefix_lengths (G,), row_prefix (B,),
-    and each row's own (inputs, targets) (B, T'), right-padded, targets -1 where not sampled.
+    (inputs, targets) of whole rows (B, T) -> the same targets laid out so that each distinct
+    prompt runs once (SharedPrefix): a row's prompt is its tokens before its first target; its
+    prefix is that prompt less its last token, whose position predicts the first target and so
+    starts the row's own part, which ends at its last target (what follows feeds no target).
+    Returns prefix_ids (G, P) right-padded, prefix_lengths (G,), row_prefix (B,), and each
+    row's own (inputs, targets) (B, T'), right-padded, targets -1 where not sampled.
     """
     prefixes, row_prefix, own = {}, [], []
     for row_inputs, row_targets in zip(inputs.tolist(), targets.tolist()):
         sampled = [t for t, target in enumerate(row_targets) if target >= 0]
-        if (
-            not sampled
-        ):  # nothing to train on: an empty prefix and one token, which the model leaves out
+        if not sampled:
+            # nothing to train on: an empty prefix and one token, which the model leaves out
             key, row = (), ([row_inputs[0]], [-1])
         else:
             first, last = sampled[0], sampled[-1] + 1
@@ -106,25 +104,29 @@ def make_shared_batch(inputs, targets):
 
 def token_nll(h, weight, targets, chunk, temperature=1.0):
     """
-    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk tokens at a time,
-    of softmax(logits / temperature): the distribution the rollout sampled from, so RL's log-probs are those
-    of the policy that drew the tokens (supervised training and eval keep 1).
-    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and autograd would
-    keep their log-softmax and make their gradient as well: ChunkedNLL never holds more than one chunk.
+    Per-token NLL (N,) in fp32 of hidden states h (N, C) under the head weight (V, C), chunk
+    tokens at a time, of softmax(logits / temperature): the distribution the rollout sampled
+    from, so RL's log-probs are those of the policy that drew the tokens (supervised training
+    and eval keep 1).
+    All (N, V) logits at once would be 5 GB in fp32 for 8192 tokens of a 152k vocabulary, and
+    autograd would keep their log-softmax and make their gradient as well: ChunkedNLL never
+    holds more than one chunk.
     """
     return ChunkedNLL.apply(h, weight, targets, chunk, float(temperature))
 
 
 class ChunkedNLL(torch.autograd.Function):
     """
-    forward: each chunk's logits z / T in fp32 (T the temperature), their log-sum-exp kept (N,) and the NLL read
-    off; the logits dropped.
-    backward: each chunk's logits again, turned in place into d nll / d z = (softmax(z / T) - onehot) / T (times
-    the incoming gradient), then added into the gradients of h and of the head, the head's by addmm_ into a single
-    (V, C) buffer. Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes too,
-    but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: a second head-sized buffer.)
-    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the gradient matmuls
-    run in fp32, the gradients' dtype.
+    forward: each chunk's logits z / T in fp32 (T the temperature), their log-sum-exp kept (N,)
+    and the NLL read off; the logits dropped.
+    backward: each chunk's logits again, turned in place into
+    d nll / d z = (softmax(z / T) - onehot) / T (times the incoming gradient), then added into
+    the gradients of h and of the head, the head's by addmm_ into a single (V, C) buffer.
+    Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes
+    too, but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: a
+    second head-sized buffer.)
+    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the
+    gradient matmuls run in fp32, the gradients' dtype.
     """
 
     @staticmethod
@@ -132,7 +134,8 @@ class ChunkedNLL(torch.autograd.Function):
         nll = torch.empty(h.size(0), device=h.device)
         lse = torch.empty_like(nll)
         for s in range(0, h.size(0), chunk):
-            # z / T = (h / T) W^T: scaling the (chunk, C) hidden states costs C/V of scaling the (chunk, V) logits
+            # z / T = (h / T) W^T: scaling the (chunk, C) hidden states costs C/V of scaling
+            # the (chunk, V) logits
             logits = F.linear(h[s : s + chunk] / temperature, weight).float()  # (chunk, V)
             lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
             nll[s : s + chunk] = (
@@ -201,10 +204,11 @@ def autocast_state(device):
 
 def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None):
     """
-    One chunk's share of the gradients of sum_i scale_i * NLL_i with respect to the hidden states and the head:
-    probs (n, V) fp32, the softmax of the logits of h (n, C) or, with total (n,), its numerators exp(z - max)
-    over their sum, turned in place into d / d logits = (softmax - onehot) * scale (n,); then grad_h (n, C) =
-    that @ weight, written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if None). The
+    One chunk's share of the gradients of sum_i scale_i * NLL_i with respect to the hidden
+    states and the head: probs (n, V) fp32, the softmax of the logits of h (n, C) or, with
+    total (n,), its numerators exp(z - max) over their sum, turned in place into
+    d / d logits = (softmax - onehot) * scale (n,); then grad_h (n, C) = that @ weight,
+    written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if None). The
     gradient matmuls run in fp32, the gradients' dtype, under autocast too.
     """
     grad = probs.mul_((scale if total is None else scale / total)[:, None])
@@ -218,13 +222,15 @@ def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None
 
 class SampledLogprobs(torch.autograd.Function):
     """
-    h (N, C), the head's weight (V, C), targets (N,), loss_grad (N,) -> logp (N,) of softmax(h W^T / T), and in the
-    same pass the gradients of sum_i loss_grad_i * logp_i with respect to h and W.
-    forward: each chunk's logits z / T once: their log-sum-exp and the targets' log-probs, and in place
-    d logp / d z, whose products with the head and the hidden states are the gradients (add_chunk_grads), kept
-    for the backward pass. ChunkedNLL's backward makes every chunk's logits a second time, a third of the head's
-    matmul work; this costs the gradient buffers from the forward pass on (grad_h the size of h; the
-    head's (V, C), which the backward pass makes anyway) and h itself, kept for the case below.
+    h (N, C), the head's weight (V, C), targets (N,), loss_grad (N,) -> logp (N,) of
+    softmax(h W^T / T), and in the same pass the gradients of sum_i loss_grad_i * logp_i with
+    respect to h and W.
+    forward: each chunk's logits z / T once: their log-sum-exp and the targets' log-probs, and
+    in place d logp / d z, whose products with the head and the hidden states are the gradients
+    (add_chunk_grads), kept for the backward pass. ChunkedNLL's backward makes every chunk's
+    logits a second time, a third of the head's matmul work; this costs the gradient buffers
+    from the forward pass on (grad_h the size of h; the head's (V, C), which the backward pass
+    makes anyway) and h itself, kept for the case below.
     backward: the gradients made in the forward pass, if the incoming gradient is exactly loss_grad
     (as it is for a loss linear in logp, whose gradient is the same everywhere); if not, those are
     dropped and the incoming one's made as ChunkedNLL's backward makes them, from h and the
@@ -238,25 +244,27 @@ class SampledLogprobs(torch.autograd.Function):
             torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
         )
         logp, lse = torch.empty(h.size(0), device=h.device), torch.empty(h.size(0), device=h.device)
-        # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its allocation each time
+        # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its
+        # allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
         for s in range(0, h.size(0), chunk):
             rows = slice(s, s + chunk)
             logits = buffer[: h[rows].size(0)]
             if torch.is_autocast_enabled(h.device.type) or weight.dtype != torch.float32:
-                logits.copy_(
-                    F.linear(h[rows] / temperature, weight)
-                )  # the matmul in autocast's (or the model's) dtype
+                # the matmul in autocast's (or the model's) dtype
+                logits.copy_(F.linear(h[rows] / temperature, weight))
             else:
                 torch.mm(h[rows] / temperature, weight.t(), out=logits)
             target_logits = logits.gather(1, targets[rows, None])[:, 0]
-            # the log-sum-exp and the softmax's numerators in place: logsumexp would make two (chunk, V) temporaries
+            # the log-sum-exp and the softmax's numerators in place: logsumexp would make two
+            # (chunk, V) temporaries
             top = logits.amax(dim=-1)
             exp = logits.sub_(top[:, None]).exp_()
             total = exp.sum(dim=-1)
             logp[rows] = target_logits - top - total.log()
             lse[rows] = top + total.log()
-            # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient with scale -g / T
+            # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient
+            # with scale -g / T
             add_chunk_grads(
                 exp,
                 targets[rows],
@@ -276,9 +284,8 @@ class SampledLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp):
         h, weight, targets, lse = ctx.saved_tensors
         grad_h, grad_w = ctx.grads
-        del (
-            ctx.grads
-        )  # they are handed over once: a second backward pass through the same forward has none
+        # they are handed over once: a second backward pass through the same forward has none
+        del ctx.grads
         if torch.equal(grad_logp, ctx.loss_grad):
             grads = (
                 None if grad_h is None else grad_h.to(h.dtype),
@@ -360,12 +367,14 @@ class RolloutLogprobs:
 
 
 def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):
-    """The training passes over rows (indices into sequences and masks): lists of indices, sorted by prompt length
-    (up to the first sampled token), group and length, so that a group's rows share a pass (fast_logprobs runs their
-    prompt once) and rows of similar length do (less padding); any order would give the same gradient."""
-    prompt_length = lambda i: next(
-        (t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i])
-    )  # noqa: E731
+    """The training passes over rows (indices into sequences and masks): lists of indices,
+    sorted by prompt length (up to the first sampled token), group and length, so that a
+    group's rows share a pass (fast_logprobs runs their prompt once) and rows of similar length
+    do (less padding); any order would give the same gradient."""
+
+    def prompt_length(i):
+        return next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))
+
     rows = sorted(rows, key=lambda i: (prompt_length(i), i // num_samples, len(sequences[i])))
     return [
         [rows[j] for j in batch]
@@ -374,9 +383,10 @@ def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):
 
 
 def split_rows(lengths, max_rows, max_tokens):
-    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows and
-    max_tokens padded tokens (rows x longest row), so one memory budget holds for short and long
-    completions alike. A row longer than max_tokens gets a micro-batch of its own: none is dropped."""
+    """Split rows into micro-batches (lists of indices, in order) of at most max_rows rows
+    and max_tokens padded tokens (rows x longest row), so one memory budget holds for short
+    and long completions alike. A row longer than max_tokens gets a micro-batch of its own:
+    none is dropped."""
     batches, batch, longest = [], [], 0
     for i, n in enumerate(lengths):
         if batch and (len(batch) == max_rows or (len(batch) + 1) * max(longest, n) > max_tokens):
@@ -389,16 +399,18 @@ def split_rows(lengths, max_rows, max_tokens):
 
 class SharedPrefix:
     """
-    The training forward of samples that share prompts, each prompt run once: in RL the 16 samples of a
-    problem repeat its prompt, often longer than the answers (the demo's: 90 tokens against 30), and a
-    plain forward pass would run it, and backpropagate through it, 16 times.
-    Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that token's
-    position predicts the first sampled token, so it starts the row's own part). The prefixes' real
-    tokens and the rows' own tokens up to their last target go through the layers as one flat sequence
-    (1, N): no padding for the linear layers, which hold most of the FLOPs, and every layer called once
-    (FSDP gathers a layer once per call; activation checkpointing recomputes one call). A row's tokens
-    after its last target are left out: nothing they feed has a target. attend() puts the flat queries,
-    keys and values into padded (G, P) and (B, T) slots again for attention alone:
+    The training forward of samples that share prompts, each prompt run once: in RL the 16
+    samples of a problem repeat its prompt, often longer than the answers (the demo's: 90
+    tokens against 30), and a plain forward pass would run it, and backpropagate through it,
+    16 times.
+    Row b = prefix p + its own tokens, where prefix p = the prompt less its last token (that
+    token's position predicts the first sampled token, so it starts the row's own part). The
+    prefixes' real tokens and the rows' own tokens up to their last target go through the
+    layers as one flat sequence (1, N): no padding for the linear layers, which hold most of
+    the FLOPs, and every layer called once (FSDP gathers a layer once per call; activation
+    checkpointing recomputes one call). A row's tokens after its last target are left out:
+    nothing they feed has a target. attend() puts the flat queries, keys and values into padded
+    (G, P) and (B, T) slots again for attention alone:
       prefixes: causal within each prefix (its padding comes after it, so causality hides it);
       rows: row b attends to prefix p's keys (its padding masked) and, causally, to its own.
     Same positions, same keys as the whole sequence in one row: the same NLL up to float rounding;
@@ -411,10 +423,9 @@ class SharedPrefix:
         device = targets.device
         self.prefix_real = torch.arange(self.P, device=device)[None, :] < lengths[:, None]  # (G, P)
         last_target = torch.where(targets >= 0, torch.arange(self.T, device=device), -1).amax(dim=1)
-        self.own_real = (
-            torch.arange(self.T, device=device)[None, :] <= last_target[:, None]
-        )  # (B, T)
-        # where each flat token sits in the padded layouts (row-major), and how many are prefix tokens
+        # (B, T)
+        self.own_real = torch.arange(self.T, device=device)[None, :] <= last_target[:, None]
+        # where each flat token sits in the padded layouts (row-major); how many are prefix tokens
         self.prefix_slots, self.own_slots = (
             self.prefix_real.flatten().nonzero()[:, 0],
             self.own_real.flatten().nonzero()[:, 0],
@@ -428,9 +439,10 @@ class SharedPrefix:
             ]
         )
         self.rope = rope(positions[None])  # (1, 1, N, D/2, 2)
-        # the flat token each padded slot reads (prefixes then rows, row-major); a padding slot reads token 0, a key
-        # the mask hides or a query whose output is dropped. Queries: the prefixes' (G * P) and the rows' own
-        # (B * T) slots; keys and values: the prefixes', then each row's prefix and own, (B, P + T)
+        # the flat token each padded slot reads (prefixes then rows, row-major); a padding slot
+        # reads token 0, a key the mask hides or a query whose output is dropped. Queries: the
+        # prefixes' (G * P) and the rows' own (B * T) slots; keys and values: the prefixes',
+        # then each row's prefix and own, (B, P + T)
         prefix_index = torch.where(
             self.prefix_real, self.prefix_real.flatten().cumsum(0).view(self.G, self.P) - 1, 0
         )
@@ -446,9 +458,8 @@ class SharedPrefix:
                 torch.cat([prefix_index[row_prefix], own_index], dim=1).flatten(),
             ]
         )
-        self.output_index = torch.cat(
-            [self.prefix_slots, self.G * self.P + self.own_slots]
-        )  # each flat token's slot
+        # each flat token's slot
+        self.output_index = torch.cat([self.prefix_slots, self.G * self.P + self.own_slots])
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=device).tril()
         sees_prefix = self.prefix_real[row_prefix][:, None, :].expand(self.B, self.T, self.P)
         sees_own = causal.expand(self.B, self.T, self.T)
@@ -481,15 +492,17 @@ class SharedPrefix:
 
     def attend(self, layer, q, k, v):
         """
-        q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output (1, H, N, D). Each of q, k, v
-        goes into its padded slots by one gather (its backward, one scatter-add, sums a prefix's gradient over its
-        rows), the outputs back to the flat sequence by one more.
+        q (1, H, N, D), k and v (1, Hkv, N, D) of the flat sequence -> attention output
+        (1, H, N, D). Each of q, k, v goes into its padded slots by one gather (its backward,
+        one scatter-add, sums a prefix's gradient over its rows), the outputs back to the flat
+        sequence by one more.
         """
         H, Hkv, D = q.size(1), k.size(1), q.size(3)
         G, P, B, T = self.G, self.P, self.B, self.T
         if q.size(2) == 0:  # no token to attend (FSDP's idle pass): nothing to gather
             return q
-        # (slots, heads, D), token-major, split (not sliced: a slice's backward fills a zero tensor of the whole)
+        # (slots, heads, D), token-major, split (not sliced: a slice's backward fills a zero
+        # tensor of the whole)
         (q_prefix, q_rows), (k_prefix, k_rows), (v_prefix, v_rows) = (
             x[0].transpose(0, 1).index_select(0, index).split([G * P, index.numel() - G * P])
             for x, index in ((q, self.query_index), (k, self.key_index), (v, self.key_index))
@@ -505,7 +518,8 @@ class SharedPrefix:
             is_causal=True,
             enable_gqa=Hkv != H,
         )
-        # GQA with a mask: fold each group's g query heads into the time axis, as the prefill does (gpt.Attention)
+        # GQA with a mask: fold each group's g query heads into the time axis, as the prefill
+        # does (gpt.Attention)
         g = H // Hkv
         if self.mask is None:  # the same for every layer: made once
             self.mask = self.folded_mask(g, q.dtype)

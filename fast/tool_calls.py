@@ -10,13 +10,15 @@ Tokenizer-agnostic: with byte-level BPE, `<<`, `=` and `>>` merge with their nei
 
     OUT --'<'--> LT --'<'--> IN --'='--> OUT, a call if the '=' ends its token
                  LT --other--> OUT          IN --newline or '>'--> OUT (an annotation is one line)
-                                            IN --'<'--> LT (`<<<` ends at LT, `<<<<` IN: an even run opens a call)
+                                            IN --'<'--> LT (`<<<` ends at LT, `<<<<` IN:
+                                                            an even run opens a call)
 
-Each token's effect on the automaton is a (vocabulary, 3) table built once per tokenizer, so at each
-position the engine looks a row's next state up on the device: rows that are not calling cost no Python
-work. A '=' followed by more text in the same token (BPE's `=$`) means the model wrote a result itself: no
-call. A position where some rows call the tool costs one more host sync for all of them together, and their
-result tokens wait in a (rows, MAX_FORCED) queue on the device, fed one per position.
+Each token's effect on the automaton is a (vocabulary, 3) table built once per tokenizer, so at
+each position the engine looks a row's next state up on the device: rows that are not calling
+cost no Python work. A '=' followed by more text in the same token (BPE's `=$`) means the model
+wrote a result itself: no call. A position where some rows call the tool costs one more host
+sync for all of them together, and their result tokens wait in a (rows, MAX_FORCED) queue on
+the device, fed one per position.
 A refused expression (calculate returns None: `<<2+x=`, `<<7//2=`) forces nothing: the row goes on
 as it would with no tool at all, writing its own result, and the refusal is counted (`errors`).
 A row that opens `<<` and never writes `=` simply continues.
@@ -25,9 +27,8 @@ A row that opens `<<` and never writes `=` simply continues.
 import torch
 
 OUT, LT, IN = 0, 1, 2  # outside a call, after one '<', inside `<<...` before its '='
-MAX_FORCED = (
-    64  # tokens of one result and its ">>"; the calculator's results are at most 40 characters
-)
+# tokens of one result and its ">>"; the calculator's results are at most 40 characters
+MAX_FORCED = 64
 
 
 def _run(text, state):
@@ -50,8 +51,8 @@ def _run(text, state):
 
 
 def call_tables(tokenizer, device):
-    """next_state, fires: (vocab, 3) tables of each token's effect from each state. Special tokens decode to '':
-    they change nothing."""
+    """next_state, fires: (vocab, 3) tables of each token's effect from each state. Special
+    tokens decode to '': they change nothing."""
     vocab = tokenizer.vocab_size
     next_state, fires = (
         torch.zeros(vocab, 3, dtype=torch.long),
@@ -66,34 +67,29 @@ def call_tables(tokenizer, device):
 
 class ToolCalls:
     """
-    The call state of one Engine.generate call's rows (B of them), all on the device, in batch order
-    (permuted with the rows when the batch is compacted: keep_rows), plus, on the host, the calls and
-    refusals of each original row.
+    The call state of one Engine.generate call's rows (B of them), all on the device, in batch
+    order (permuted with the rows when the batch is compacted: keep_rows), plus, on the host,
+    the calls and refusals of each original row.
     """
 
     def __init__(self, tool, tokenizer, tables, num_rows, device):
         self.tool, self.tokenizer = tool, tokenizer
         self.next_state, self.fires = tables
         self.state = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.opened_at = torch.zeros(
-            num_rows, dtype=torch.long, device=device
-        )  # position of the token with the call's first '<'
-        self.queue = torch.zeros(
-            num_rows, MAX_FORCED, dtype=torch.long, device=device
-        )  # a row's result tokens to feed
+        # position of the token with the call's first '<'
+        self.opened_at = torch.zeros(num_rows, dtype=torch.long, device=device)
+        # a row's result tokens to feed, how many, and the next one to feed
+        self.queue = torch.zeros(num_rows, MAX_FORCED, dtype=torch.long, device=device)
         self.queue_len = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.queue_pos = torch.zeros(
-            num_rows, dtype=torch.long, device=device
-        )  # the next one to feed
-        self.calls, self.errors = (
-            [0] * num_rows,
-            [0] * num_rows,
-        )  # per original row: calls made, and of them refused
+        self.queue_pos = torch.zeros(num_rows, dtype=torch.long, device=device)
+        # per original row: calls made, and of them refused
+        self.calls, self.errors = [0] * num_rows, [0] * num_rows
 
     def feed(self, t, token, running):
         """
-        token (B,) as sampled at position t -> (token with forced tokens in place, forced (B,) bool, called (B,) bool):
-        called = the row's token ended a call (the result is forced from position t + 1, once answer() has run).
+        token (B,) as sampled at position t -> (token with forced tokens in place,
+        forced (B,) bool, called (B,) bool): called = the row's token ended a call (the result
+        is forced from position t + 1, once answer() has run).
         """
         forced = self.queue_pos < self.queue_len
         pending = self.queue.gather(1, self.queue_pos.clamp(max=MAX_FORCED - 1)[:, None])[:, 0]
@@ -103,17 +99,16 @@ class ToolCalls:
         before = self.state
         self.state = self.next_state[token, before]
         self.opened_at = torch.where((before == OUT) & (self.state != OUT), t, self.opened_at)
-        called = (
-            self.fires[token, before] & running
-        )  # a finished row still in the batch writes nothing that counts
+        # a finished row still in the batch writes nothing that counts
+        called = self.fires[token, before] & running
         return token, forced, called
 
     def answer(self, t, called, row_ids, out):
         """
-        Run the tool for the rows whose token ended a call at position t (one host sync for all of them): decode
-        each row's text from its call's first '<' (out[s, row] is original row `row`'s token s; row_ids: each
-        batch slot's original row), take what follows the last '<<' up to the '=', and queue the result and '>>'
-        as the row's next tokens.
+        Run the tool for the rows whose token ended a call at position t (one host sync for all
+        of them): decode each row's text from its call's first '<' (out[s, row] is original row
+        `row`'s token s; row_ids: each batch slot's original row), take what follows the last
+        '<<' up to the '=', and queue the result and '>>' as the row's next tokens.
         """
         slots = called.nonzero()[:, 0]
         starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
