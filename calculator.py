@@ -1,7 +1,7 @@
 """
-The calculator the policy calls mid-solution, in GSM8K's annotation syntax: a line of working written as
-`48/2 = <<48/2=24>>24` asks the tool for `48/2`; the engine forces the result and the closing `>>`
-(fast/tool_calls.py, ToolCalls), and the model goes on from there.
+The calculator the policy calls mid-solution, in GSM8K's annotation syntax: a line of working
+written as `48/2 = <<48/2=24>>24` asks the tool for `48/2`; the engine forces the result and the
+closing `>>` (fast/tool_calls.py, ToolCalls), and the model goes on from there.
 
     calculate("48/2")        -> "24"       integral results print as integers
     calculate("12/60")       -> "0.2"
@@ -9,13 +9,14 @@ The calculator the policy calls mid-solution, in GSM8K's annotation syntax: a li
     calculate("1,200*3")     -> "3600"     thousands commas are stripped
     calculate("2**10"), calculate("x+1"), calculate("1/0"), calculate("__import__('os')") -> None
 
-Model text is untrusted input: the expression is parsed with `ast` and only numbers, + - * /, unary
-minus (and plus) and parentheses are evaluated, with exact fractions, never with eval or exec. Every
-other node (names, calls, attributes, strings, comparisons, powers, ...) refuses the whole
-expression, and so do division by zero, an expression or a number past a size limit, nesting past a
-depth limit and a result too large to be an answer. Before the parser sees anything, a character
-whitelist (ASCII digits, the operators, parentheses, '.', ',', blanks) and the length limit bound its
-work, so any input, however long or hostile, is answered in a time bounded by those limits.
+Model text is untrusted input: the expression is parsed with `ast` and only numbers, + - * /,
+unary minus (and plus) and parentheses are evaluated, with exact fractions, never with eval or
+exec. Every other node (names, calls, attributes, strings, comparisons, powers, ...) refuses the
+whole expression, and so do division by zero, an expression or a number past a size limit, nesting
+past a depth limit and a result too large to be an answer. Before the parser sees anything, a
+character whitelist (ASCII digits, the operators, parentheses, '.', ',', blanks) and the length
+limit bound its work, so any input, however long or hostile, is answered in a time bounded by
+those limits.
 """
 
 import ast
@@ -28,9 +29,8 @@ MAX_DIGITS = 30  # per number, and per numerator / denominator of the result
 MAX_DEPTH = 20  # nested operations (parentheses included)
 
 ALLOWED_CHARS = re.compile(r"[0-9+\-*/().,\s]*")
-THOUSANDS = re.compile(
-    r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))"
-)  # 1,200 -> 1200; "1,20" keeps its comma and fails
+# 1,200 -> 1200; "1,20" keeps its comma and fails
+THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")
 OPERATORS = {
     ast.Add: Fraction.__add__,
     ast.Sub: Fraction.__sub__,
@@ -41,7 +41,7 @@ TOO_BIG = Fraction(10) ** MAX_DIGITS
 
 
 def calculate(expression):
-    """The value of an arithmetic expression as the text a model should see, or None if it is not one."""
+    """The value of an arithmetic expression as the text a model should see, or None if not one."""
     if (
         not isinstance(expression, str)
         or len(expression) > MAX_CHARS
@@ -49,9 +49,8 @@ def calculate(expression):
     ):
         return None
     source = THOUSANDS.sub("", expression).strip()
-    if (
-        _paren_depth(source) > MAX_DEPTH
-    ):  # parentheses leave no node in the tree, so count them here
+    # parentheses leave no node in the tree, so count them here
+    if _paren_depth(source) > MAX_DEPTH:
         return None
     try:
         tree = ast.parse(source, mode="eval")
@@ -73,7 +72,8 @@ def _evaluate(node, source, depth):
             or len(literal.replace(".", "")) > MAX_DIGITS
             or not re.fullmatch(r"[0-9]*\.?[0-9]*", literal)
         ):
-            return None  # 1e3 and 0x10 parse as numbers too; a calculator for word problems takes decimals only
+            # 1e3 and 0x10 parse as numbers too; a calculator for word problems takes decimals only
+            return None
         return Fraction(literal)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         operand = _evaluate(node.operand, source, depth + 1)
@@ -84,7 +84,8 @@ def _evaluate(node, source, depth):
         if left is None or right is None:
             return None
         value = OPERATORS[type(node.op)](left, right)
-        # bounded sizes keep every operation cheap: 30-digit numbers multiplied at most MAX_CHARS / 2 times
+        # bounded sizes keep every operation cheap: 30-digit numbers multiplied at most
+        # MAX_CHARS / 2 times
         return value if abs(value.numerator) < TOO_BIG and value.denominator < TOO_BIG else None
     return None
 
@@ -98,7 +99,8 @@ def _paren_depth(text):
 
 
 def _as_text(value):
-    """24 for an integral value, else a decimal rounded to DECIMALS places without trailing zeros (0.2, 3.3333)."""
+    """24 for an integral value, else a decimal rounded to DECIMALS places without trailing zeros
+    (0.2, 3.3333)."""
     if value.denominator == 1:
         return str(value.numerator)
     scaled = round(abs(value) * 10**DECIMALS)  # Fraction rounds half to even, exactly

@@ -1,5 +1,6 @@
-"""A reward for --task=data (README, "Your own task"): 1 if the number after the completion's last '####' is the
-row's target, else 0. chat_rl calls it once per completion, with the completion's text and its row."""
+"""A reward for --task=data (README, "Your own task"): 1 if the number after the completion's last
+'####' is the row's target, else 0. chat_rl calls it once per completion, with the completion's
+text and its row."""
 
 import re
 

@@ -8,12 +8,13 @@ The three families differ only in switches of GPTConfig:
     Llama / SmolLM : no qkv bias, no q/k norm, tied or untied head, rope_theta
     Qwen2 / Qwen2.5: qkv bias (attention_bias=True)
     Qwen3          : q/k RMSNorm per head (qk_norm=True), explicit head_dim
-Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.o_proj.weight, ...), except
-that the Linears reading the same input are one matmul: q/k/v are self_attn.qkv_proj, gate/up mlp.gate_up_proj,
-their weights stacked by rows. hf_layout says where each checkpoint tensor sits, so the files map one-to-one
-onto the model, in and out: GPT.from_pretrained reads a hub id or a Hugging Face folder, save_pretrained writes
-one that transformers and vLLM load as it is, the same tensor names and values as unfused Linears would write
-(the folder format itself, config.json and the weight files, is hf_folder.py).
+Parameter names follow the Hugging Face checkpoints (model.layers.0.self_attn.o_proj.weight, ...),
+except that the Linears reading the same input are one matmul: q/k/v are self_attn.qkv_proj,
+gate/up mlp.gate_up_proj, their weights stacked by rows. hf_layout says where each checkpoint
+tensor sits, so the files map one-to-one onto the model, in and out: GPT.from_pretrained reads a
+hub id or a Hugging Face folder, save_pretrained writes one that transformers and vLLM load as it
+is, the same tensor names and values as unfused Linears would write (the folder format itself,
+config.json and the weight files, is hf_folder.py).
 Tiny configs of the same class are the offline demo's policy.
 """
 
@@ -48,9 +49,8 @@ class GPTConfig:
     head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = (
-        None  # Llama-3.1 style {"rope_type": "llama3", ...}; None = plain RoPE
-    )
+    # Llama-3.1 style {"rope_type": "llama3", ...}; None = plain RoPE
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
@@ -74,9 +74,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        if (
-            x.dtype == self.weight.dtype == torch.float32
-        ):  # one call with the weight: one kernel on CUDA
+        # one call with the weight: one kernel on CUDA
+        if x.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         # normalize in fp32 (as the reference implementations do), scale in the input dtype
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
@@ -105,28 +104,28 @@ def rope_inv_freq(config):
 
 def apply_rope(x, rope):
     """
-    x (B, H, T, D), rope (B or 1, 1, T, D/2, 2): cos and sin of each pair's angle (GPT.rope) -> x rotated, in fp32.
-    The checkpoints' "rotate half" layout pairs x_i with x_{i + D/2}: each pair is one complex number, turned by one
-    complex multiplication. The pairs come out side by side (x_0, x_{D/2}, x_1, x_{D/2+1}, ...): q and k alike, so
-    every q . k, all that attention reads of them, is the same.
+    x (B, H, T, D), rope (B or 1, 1, T, D/2, 2): cos and sin of each pair's angle (GPT.rope)
+    -> x rotated, in fp32. The checkpoints' "rotate half" layout pairs x_i with x_{i + D/2}: each
+    pair is one complex number, turned by one complex multiplication. The pairs come out side by
+    side (x_0, x_{D/2}, x_1, x_{D/2+1}, ...): q and k alike, so every q . k, all that attention
+    reads of them, is the same.
     """
     half = x.size(-1) // 2
-    if (
-        torch.compiler.is_compiling()
-    ):  # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+    # inductor has no complex kernels; it fuses the same rotation in real arithmetic
+    if torch.compiler.is_compiling():
         x = x.float()
         x1, x2, cos, sin = x[..., :half], x[..., half:], rope[..., 0], rope[..., 1]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    # each pair side by side as one complex number: one copy, which (unlike torch.complex) keeps nothing for backward
+    # each pair side by side as one complex number: one copy, which (unlike torch.complex) keeps
+    # nothing for backward
     pairs = (
         x.unflatten(-1, (2, half))
         .transpose(-1, -2)
         .float()
         .clone(memory_format=torch.contiguous_format)
     )
-    return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rope)).flatten(
-        -2
-    )
+    rotated = torch.view_as_complex(pairs) * torch.view_as_complex(rope)
+    return torch.view_as_real(rotated).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -155,30 +154,30 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x, rope, attn_mask, layout):
-        """x (B, T, C) -> (B, T, C); layout: None for plain causal attention, else GPT.hidden_states' protocol."""
+        """x (B, T, C) -> (B, T, C); layout: None for plain causal attention, else
+        GPT.hidden_states' protocol."""
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv_head, self.head_dim)
-        # split, not sliced: the backward pass of two slices fills two zero tensors the size of qkv; a split's
-        # joins the pieces' gradients once
+        # split, not sliced: the backward pass of two slices fills two zero tensors the size of qkv;
+        # a split's joins the pieces' gradients once
         qk, v = qkv.split([H + self.n_kv_head, self.n_kv_head], dim=2)
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
-        if hasattr(
-            self, "q_norm"
-        ):  # the heads of q and k normalized in one call, each scaled by its own norm's weight
+        # the heads of q and k normalized in one call, each scaled by its own norm's weight
+        if hasattr(self, "q_norm"):
             weight = torch.cat(
                 (self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(self.n_kv_head, -1))
             )
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
-        # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's dtype, so the KV
-        # cache holds bf16 keys instead of fp32 ones
+        # one RoPE for the heads of q and k together, in fp32; under autocast q and k go back to v's
+        # dtype, so the KV cache holds bf16 keys instead of fp32 ones
         qk = apply_rope(qk.transpose(1, 2), rope).to(v.dtype)
         q, k = qk.split([H, self.n_kv_head], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
-        if (
-            layout is None
-        ):  # whole sequences from position 0: plain causal; GQA = each group of query heads shares a k/v head
-            # k and v are views into the fused projections: saved as they are for the backward pass, they would keep
-            # the whole q/k and q/k/v outputs alive; their own copies are a fraction of that
+        if layout is None:
+            # whole sequences from position 0: plain causal; GQA = each group of query heads shares
+            # a k/v head. k and v are views into the fused projections: saved as they are for the
+            # backward pass, they would keep the whole q/k and q/k/v outputs alive; their own
+            # copies are a fraction of that
             y = F.scaled_dot_product_attention(
                 q,
                 k.contiguous(),
@@ -186,32 +185,34 @@ class Attention(nn.Module):
                 is_causal=True,
                 enable_gqa=self.n_kv_head != self.n_head,
             )
-        elif (
-            attn_mask is None
-        ):  # the layout knows where the keys are (a decode pass, SharedPrefix): it attends
+        elif attn_mask is None:
+            # the layout knows where the keys are (a decode pass, SharedPrefix): it attends
             y = layout.attend(self.layer_idx, q, k, v)
-        else:  # the sampler's prefill: its keys and values kept by the cache, a boolean padding mask (B, 1, T, T)
+        else:
+            # the sampler's prefill: its keys and values kept by the cache, a boolean padding mask
+            # (B, 1, T, T)
             k, v = layout.update(self.layer_idx, k, v)  # (B, Hkv, T, D)
-            # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D): every SDPA
-            # kernel, the masked memory-efficient one included, then runs GQA without copying k and v g times.
+            # Fold each group's query heads into the time axis, (B, H, T, D) -> (B, Hkv, g*T, D):
+            # every SDPA kernel, the masked memory-efficient one included, then runs GQA without
+            # copying k and v g times.
             g = self.n_head // self.n_kv_head
             q = q.reshape(B, self.n_kv_head, g * T, self.head_dim)
-            mask = (
-                attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask
-            )  # row j*T + t is query t of head j
-            # reshape, not view: CUDA's memory-efficient kernel (the one that takes a mask) returns a transposed layout
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(
-                B, self.n_head, T, self.head_dim
-            )
+            # row j*T + t is query t of head j
+            mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask
+            # reshape, not view: CUDA's memory-efficient kernel (the one that takes a mask) returns
+            # a transposed layout
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = y.reshape(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
 class SwiGLU(torch.autograd.Function):
     """
-    silu(gate) * up of the fused (..., 2 * I) gate/up output, keeping that output alone for the backward pass.
-    Autograd's silu(gate) * up would keep silu(gate) as well, intermediate_size more values a token a layer (a
-    sixth of a Qwen2.5-0.5B layer's activations), and join the two halves' gradients with one more copy; here the
-    backward pass recomputes silu(gate) and writes each half's gradient into its place in one (..., 2 * I) tensor.
+    silu(gate) * up of the fused (..., 2 * I) gate/up output, keeping that output alone for the
+    backward pass. Autograd's silu(gate) * up would keep silu(gate) as well, intermediate_size more
+    values a token a layer (a sixth of a Qwen2.5-0.5B layer's activations), and join the two halves'
+    gradients with one more copy; here the backward pass recomputes silu(gate) and writes each
+    half's gradient into its place in one (..., 2 * I) tensor.
     """
 
     @staticmethod
@@ -228,7 +229,8 @@ class SwiGLU(torch.autograd.Function):
         grad_gate_up = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
         torch.mul(F.silu(gate), grad, out=grad_up)
-        # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))), times grad * up: torch's own kernel for it
+        # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))), times grad * up: torch's own
+        # kernel for it
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
         return grad_gate_up
 
@@ -276,14 +278,14 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.checkpoint_layers = (
-            False  # activation checkpointing (--activation-checkpointing): see hidden_states
-        )
+        # activation checkpointing (--activation-checkpointing): see hidden_states
+        self.checkpoint_layers = False
 
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
         gen = torch.Generator().manual_seed(seed)
-        # tensor by tensor in the checkpoints' layout and order: the same weights as unfused Linears would get
+        # tensor by tensor in the checkpoints' layout and order: the same weights as unfused Linears
+        # would get
         with torch.no_grad():
             for name, p in self.hf_state_dict(keep_vars=True).items():
                 if name.endswith("norm.weight") or "layernorm" in name:
@@ -302,16 +304,16 @@ class GPT(nn.Module):
 
     def hf_layout(self):
         """
-        Where each tensor of a Hugging Face checkpoint sits in this model: [(checkpoint name, own parameter name,
-        rows)] in the order the checkpoints list them, rows = the slice of a fused Linear's rows (qkv_proj,
-        gate_up_proj) that holds the tensor, None for a whole parameter. The tied lm_head is left out (it is
-        embed_tokens.weight). Names only: it holds for a model on the meta device or sharded by FSDP as well.
+        Where each tensor of a Hugging Face checkpoint sits in this model: [(checkpoint name, own
+        parameter name, rows)] in the order the checkpoints list them, rows = the slice of a fused
+        Linear's rows (qkv_proj, gate_up_proj) that holds the tensor, None for a whole parameter.
+        The tied lm_head is left out (it is embed_tokens.weight). Names only: it holds for a model
+        on the meta device or sharded by FSDP as well.
         """
         layout = []
         for module_name, module in self.named_modules():
-            if module_name.endswith(
-                (".lora_A", ".lora_B")
-            ):  # LoRA's adapters (policy/lora.py): no checkpoint tensor
+            # LoRA's adapters (policy/lora.py): no checkpoint tensor
+            if module_name.endswith((".lora_A", ".lora_B")):
                 continue
             own = [name for name, _ in module.named_parameters(prefix=module_name, recurse=False)]
             if not hasattr(module, "parts"):
@@ -322,12 +324,8 @@ class GPT(nn.Module):
                 ]
                 continue
             start, parent = 0, module_name.rpartition(".")[0]
-            for (
-                part,
-                width,
-            ) in (
-                module.parts.items()
-            ):  # each part's weight, then its bias, as unfused Linears list them
+            # each part's weight, then its bias, as unfused Linears list them
+            for part, width in module.parts.items():
                 layout += [
                     (
                         f"{parent}.{part}.{name.rpartition('.')[2]}",
@@ -340,7 +338,8 @@ class GPT(nn.Module):
         return layout
 
     def hf_state_dict(self, keep_vars=False):
-        """The weights under the checkpoints' names and shapes (hf_layout): views of the model's tensors, no copies."""
+        """The weights under the checkpoints' names and shapes (hf_layout): views of the model's
+        tensors, no copies."""
         state = self.state_dict(keep_vars=keep_vars)
         return {
             name: state[own] if rows is None else state[own][rows]
@@ -348,8 +347,8 @@ class GPT(nn.Module):
         }
 
     def rope(self, positions):
-        """RoPE's rotation of each pair (apply_rope) for integer positions (B, T): cos and sin of position * inv_freq,
-        (B, 1, T, head_dim/2, 2) in fp32."""
+        """RoPE's rotation of each pair (apply_rope) for integer positions (B, T): cos and sin of
+        position * inv_freq, (B, 1, T, head_dim/2, 2) in fp32."""
         angles = positions.float()[:, None, :, None] * self.inv_freq.float()
         return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -363,18 +362,22 @@ class GPT(nn.Module):
         temperature=1.0,
     ):
         """
-        idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1, and the logits of every
-        position come back (B, T, V). With a cache (fast/kv_cache.KVCache, the sampler's), rows may be left-padded
-        and only the last position's logits (B, 1, V) come back, all the sampler needs.
-        targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with loss_reduction='none'
-        (0 where ignored) or the mean over valid tokens with 'mean', of softmax(logits / temperature); the logits
-        are projected at most logits_per_chunk at a time (fast/logprobs.token_nll).
+        idx: (B, T) token ids. Without a cache, row b's tokens sit at positions 0..T-1, and the
+        logits of every position come back (B, T, V). With a cache (fast/kv_cache.KVCache, the
+        sampler's), rows may be left-padded and only the last position's logits (B, 1, V) come
+        back, all the sampler needs.
+        targets: (B, T) next-token ids, -1 = ignore. Returns per-token NLL (B, T) with
+        loss_reduction='none' (0 where ignored) or the mean over valid tokens with 'mean', of
+        softmax(logits / temperature); the logits are projected at most logits_per_chunk at a time
+        (fast/logprobs.token_nll).
         """
         x = self._hidden_states(idx, kv_cache)
         if targets is None:
-            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be gigabytes
+            # the sampler reads only the last position: a (B, T, 152k) prefill logit tensor would be
+            # gigabytes
             return self.lm_head(x[:, -1:] if kv_cache is not None else x)
-        # project only the positions that have a target: prompt and padding positions would cost logits for nothing
+        # project only the positions that have a target: prompt and padding positions would cost
+        # logits for nothing
         valid = targets >= 0
         chunk = max(1, logits_per_chunk // self.lm_head.weight.size(0))
         nll = torch.zeros(targets.shape, device=x.device)
@@ -385,37 +388,42 @@ class GPT(nn.Module):
         return nll.sum() / valid.sum().clamp(min=1)
 
     def hidden_states(self, idx, layout=None):
-        """The final-norm hidden states, for a caller that applies the head itself (fast/logprobs.fast_logprobs);
-        under FSDP a forward method of its own (fsdp.prepare). forward calls _hidden_states instead: one FSDP forward
-        method inside another would reshard the root's weights as the inner one ends."""
+        """The final-norm hidden states, for a caller that applies the head itself
+        (fast/logprobs.fast_logprobs); under FSDP a forward method of its own (fsdp.prepare).
+        forward calls _hidden_states instead: one FSDP forward method inside another would reshard
+        the root's weights as the inner one ends."""
         return self._hidden_states(idx, layout)
 
     def _hidden_states(self, idx, layout=None):
         """
-        (B, T) token ids -> final-norm hidden states (B, T, C). Without a layout, row b's tokens sit at positions
-        0..T-1 and attend causally. A layout says otherwise: where each token sits and what its attention sees. Two
-        kinds speak its four methods: fast/kv_cache.KVCache (the sampler's: left-padded prompts, then one token a row
-        per pass) and fast/logprobs.SharedPrefix (the loss's: each prompt once for all its samples; it caches nothing):
-          rope_and_mask(T) -> (RoPE rotations of the pass's tokens, a mask or None), asked once a pass;
-          update(layer, k, v) -> the keys and values to attend to, under that mask, here: a pass with a mask
-              (the sampler's prefill) hands its keys and values over to be kept, and attends to what comes back;
-          attend(layer, q, k, v) -> the attention output: a pass without a mask leaves attention to the layout,
-              which knows where the keys are (a decode pass's are in the cache; SharedPrefix's are in the pass);
+        (B, T) token ids -> final-norm hidden states (B, T, C). Without a layout, row b's tokens sit
+        at positions 0..T-1 and attend causally. A layout says otherwise: where each token sits and
+        what its attention sees. Two kinds speak its four methods: fast/kv_cache.KVCache (the
+        sampler's: left-padded prompts, then one token a row per pass) and
+        fast/logprobs.SharedPrefix (the loss's: each prompt once for all its samples; it caches
+        nothing):
+          rope_and_mask(T) -> (RoPE rotations of the pass's tokens, a mask or None), once a pass;
+          update(layer, k, v) -> the keys and values to attend to, under that mask, here: a pass
+              with a mask (the sampler's prefill) hands its keys and values over to be kept, and
+              attends to what comes back;
+          attend(layer, q, k, v) -> the attention output: a pass without a mask leaves attention to
+              the layout, which knows where the keys are (a decode pass's are in the cache;
+              SharedPrefix's are in the pass);
           advance(T): the pass is over; the next one's tokens come T positions later.
         """
         T = idx.size(1)
         x = self.model.embed_tokens(idx)
         if layout is None:
-            rope = self.rope(
-                torch.arange(T, device=idx.device)[None]
-            )  # (1, 1, T, D/2, 2): the same for every row
+            # (1, 1, T, D/2, 2): the same for every row
+            rope = self.rope(torch.arange(T, device=idx.device)[None])
             attn_mask = None  # plain causal; right padding never leaks into earlier tokens
         else:
             rope, attn_mask = layout.rope_and_mask(T)
         for block in self.model.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
-                # keep only this layer's input (B, T, C) for the backward pass and recompute the rest there:
-                # one layer's activations alive at a time instead of all of them, for a second forward's cost
+                # keep only this layer's input (B, T, C) for the backward pass and recompute the
+                # rest there: one layer's activations alive at a time instead of all of them, for a
+                # second forward's cost
                 x = torch.utils.checkpoint.checkpoint(
                     block, x, rope, attn_mask, layout, use_reentrant=False
                 )
@@ -447,25 +455,25 @@ class GPT(nn.Module):
             keep_fp32 = {*keep_fp32, "model.embed_tokens.weight"}
         read_weights(model, path, device, dtype, keep_fp32)
         if config.tie_word_embeddings:
-            model.lm_head.weight = (
-                model.model.embed_tokens.weight
-            )  # the tie broke when embed_tokens was replaced
+            # the tie broke when embed_tokens was replaced
+            model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
     def save_pretrained(self, path):
         """
         Write a folder transformers (and vLLM) load as it is: config.json + model.safetensors in the
-        dtype the model holds. The tokenizer's save_pretrained adds its files and generation_config.json.
+        dtype the model holds. The tokenizer's save_pretrained adds its files and
+        generation_config.json.
         """
-        # the checkpoints' names and shapes, the fused Linears split into their parts; the tied head is left out
-        # (safetensors refuses one tensor under two names; the config says "tied")
-        write_weights(
-            path, {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
-        )
+        # the checkpoints' names and shapes, the fused Linears split into their parts; the tied head
+        # is left out (safetensors refuses one tensor under two names; the config says "tied")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
+        write_weights(path, state)
         write_config(path, self.config, self.model.embed_tokens.weight.dtype)
 
 
 def config_from_hf(hf):
-    """GPTConfig from a Hugging Face config.json dict (hf_folder.config_fields says what maps to what)."""
+    """GPTConfig from a Hugging Face config.json dict (hf_folder.config_fields says what maps to
+    what)."""
     return GPTConfig(**config_fields(hf))

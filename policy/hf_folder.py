@@ -1,10 +1,10 @@
 """
 Hugging Face folders, the format every checkpoint in and out of chat_rl has: a hub id
-("Qwen/Qwen2.5-0.5B-Instruct") becomes a local folder (the model and the tokenizer loaders both ask
-here), fetching only what chat_rl reads; config.json maps to and from gpt.GPTConfig's fields; the
-weights are one model.safetensors or the shards an index names, read tensor by tensor into a model
-built on the meta device (read_weights) and written back (write_weights). Checkpoint names map onto
-the model's parameters by gpt.GPT.hf_layout (q/k/v and gate/up are stored fused there).
+("Qwen/Qwen2.5-0.5B-Instruct") becomes a local folder (the model and the tokenizer loaders both
+ask here), fetching only what chat_rl reads; config.json maps to and from gpt.GPTConfig's fields;
+the weights are one model.safetensors or the shards an index names, read tensor by tensor into a
+model built on the meta device (read_weights) and written back (write_weights). Checkpoint names
+map onto the model's parameters by gpt.GPT.hf_layout (q/k/v and gate/up are stored fused there).
 """
 
 import json
@@ -16,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 # what a hub download fetches: weights (model.safetensors or model-0000x-of-0000n shards), config,
-# tokenizer, chat template, stop tokens (and the marker of a chat_rl byte-tokenizer folder); not *.bin,
-# *.gguf or other copies of the weights
+# tokenizer, chat template, stop tokens, the marker of a chat_rl byte-tokenizer folder and a PEFT
+# adapter's files; not *.bin, *.gguf or other copies of the weights
 HUB_FILES = [
     "config.json",
     "generation_config.json",
@@ -30,20 +30,20 @@ HUB_FILES = [
     "chat_rl_tokenizer.json",
     "adapter_config.json",
     "adapter_model.safetensors",
-]  # a PEFT adapter's too
+]
 
 
 def resolve_folder(name_or_dir):
-    """A local folder as it is; a hub id ("Qwen/Qwen2.5-0.5B-Instruct") is fetched into the HF cache first."""
+    """A local folder as it is; a hub id ("Qwen/Qwen2.5-0.5B-Instruct") is fetched into the HF
+    cache first."""
     if os.path.isdir(name_or_dir):
         return name_or_dir
     if name_or_dir.count("/") != 1 or name_or_dir.startswith((".", "/", "~")):
         raise FileNotFoundError(
             f"{name_or_dir!r} is neither a folder nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'"
         )
-    from huggingface_hub import (
-        snapshot_download,
-    )  # imported here: the offline demo never needs the hub
+    # imported here: the offline demo never needs the hub
+    from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(name_or_dir, allow_patterns=HUB_FILES)
@@ -98,12 +98,15 @@ def read_weights(model, path, device, dtype, keep_fp32=()):
                 tensor = f.get_tensor(name).to(device=device, dtype=kind)
                 if tensor.shape != expected:
                     raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(expected)}"
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                        f"!= config shape {tuple(expected)}"
                     )
                 module_name, _, attr = own.rpartition(".")
                 if rows is None:
                     setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
-                else:  # a part of a fused Linear (the others may come from another shard): its rows, in place
+                else:
+                    # a part of a fused Linear (the others may come from another shard): its rows,
+                    # in place
                     if param.is_meta:
                         param = nn.Parameter(
                             torch.empty(param.shape, device=device, dtype=tensor.dtype)
@@ -122,9 +125,9 @@ def write_weights(path, state):
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, "model.safetensors")
     save_file(state, weights, metadata={"format": "pt"})  # "pt": what transformers expects
-    # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights the
-    # mode every other file of the folder gets from open(), 0666 less the umask (0644 under the usual
-    # 022), or the other users of a shared machine could read the config but not the weights
+    # safetensors writes a temporary file of mode 0600 and renames it into place; give the weights
+    # the mode every other file of the folder gets from open(), 0666 less the umask (0644 under the
+    # usual 022), or the other users of a shared machine could read the config but not the weights
     os.chmod(weights, 0o666 & ~umask())
 
 
@@ -139,7 +142,8 @@ def safetensors_files(path):
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise FileNotFoundError(
-            f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors are read)"
+            f"{path} has no model.safetensors or model.safetensors.index.json "
+            "(only safetensors are read)"
         )
     return [single]
 
@@ -159,7 +163,8 @@ def read_json(file):
 
 
 def config_fields(hf):
-    """gpt.GPTConfig's fields from a Hugging Face config.json dict; anything gpt.py cannot compute fails with one line."""
+    """gpt.GPTConfig's fields from a Hugging Face config.json dict; anything gpt.py cannot compute
+    fails with one line."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise ValueError(
@@ -194,7 +199,8 @@ def config_fields(hf):
     }
     fields["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     fields["head_dim"] = hf.get("head_dim") or 0
-    # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into rope_parameters
+    # RoPE: hub configs write rope_theta + rope_scaling; transformers 5 writes both into
+    # rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
     fields["rope_theta"] = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
     scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -202,18 +208,17 @@ def config_fields(hf):
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
     fields["rope_scaling"] = dict(scaling, rope_type="llama3") if rope_type == "llama3" else None
-    fields["tie_word_embeddings"] = hf.get(
-        "tie_word_embeddings", False
-    )  # the default of all three config classes
-    fields["attention_bias"] = (
-        kind == "qwen2"
-    )  # Qwen2 always has q/k/v bias; its config does not say so
+    # False: the default of all three config classes
+    fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
+    # Qwen2 always has q/k/v bias; its config does not say so
+    fields["attention_bias"] = kind == "qwen2"
     fields["qk_norm"] = kind == "qwen3"
     return fields
 
 
 def config_to_hf(config):
-    """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by transformers 4 and 5 and vLLM."""
+    """config.json in the form hub checkpoints use (rope_theta, rope_scaling), read by
+    transformers 4 and 5 and vLLM."""
     kind = "qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"
     hf = {
         f: getattr(config, f)

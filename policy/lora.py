@@ -1,29 +1,34 @@
 """
 LoRA (Hu et al. 2021): the base model frozen, and each adapted projection y = W x trained as
 
-    y = W x + (alpha / r) B A x,     A (r, in) random, B (out, r) zero at the start: the base model exactly.
+    y = W x + (alpha / r) B A x,     A (r, in) random, B (out, r) zero at the start,
 
-Memory is why: full fine-tuning keeps fp32 weights, gradients and both AdamW moments, 16 bytes a parameter;
-with LoRA the base is 2 bytes a parameter (bf16 on CUDA; fp32, 4, on the CPU, where compute is fp32) and only the
-adapters, a fraction of a percent of them, get gradients and AdamW state. Quality is the question, and for RL the
-answer is in "LoRA Without Regret" (Schulman et al. 2025): policy-gradient RL, which learns about one bit an
-episode, matches full fine-tuning with LoRA even at rank 1, if the learning rate is about 10x full fine-tuning's
-(chat_rl's --lora-lr) and adapters sit on every linear layer, the MLP's included (--lora-targets' default).
+so that training starts from the base model exactly.
 
-Where chat_rl meets it: plumbing/checkpoint.build_policy calls add_adapters when it builds the model, chat_rl.train
-gives AdamW only the parameters that still require a gradient, and a checkpoint holds the merged weights as a plain
-Hugging Face folder (merged_state_dict), with the adapter alone beside it as a PEFT folder (save_adapter, which
-peft.PeftModel.from_pretrained loads on the base; load_adapter reads one back).
+Memory is why: full fine-tuning keeps fp32 weights, gradients and both AdamW moments, 16 bytes a
+parameter; with LoRA the base is 2 bytes a parameter (bf16 on CUDA; fp32, 4, on the CPU, where
+compute is fp32) and only the adapters, a fraction of a percent of them, get gradients and AdamW
+state. Quality is the question, and for RL the answer is in "LoRA Without Regret" (Schulman et
+al. 2025): policy-gradient RL, which learns about one bit an episode, matches full fine-tuning
+with LoRA even at rank 1, if the learning rate is about 10x full fine-tuning's (chat_rl's
+--lora-lr) and adapters sit on every linear layer, the MLP's included (--lora-targets' default).
 
-The fused Linears (qkv_proj, gate_up_proj) get one A and one B per projection they hold (q_proj, k_proj, v_proj;
-gate_proj, up_proj), under the names Hugging Face and PEFT give them: `model.layers.0.self_attn.q_proj`. The
-embeddings and the head stay frozen unless --lora-targets names them; then they train whole, in fp32 (PEFT's
-modules_to_save), at 16 bytes a parameter like full fine-tuning: a 152k-token vocabulary's matrix is 136M parameters
-at 0.5B's width.
+Where chat_rl meets it: plumbing/checkpoint.build_policy calls add_adapters when it builds the
+model, chat_rl.train gives AdamW only the parameters that still require a gradient, and a
+checkpoint holds the merged weights as a plain Hugging Face folder (merged_state_dict), with the
+adapter alone beside it as a PEFT folder (save_adapter, which peft.PeftModel.from_pretrained
+loads on the base; load_adapter reads one back).
 
-Sampling runs the adapters beside the frozen base (a forward hook adds the second term to each adapted Linear's
-output), not a merged copy of the weights: a copy would cost another base model of memory and a merge every step;
-beside it, a decode pass runs two small matmuls more per adapted Linear (docs/benchmarks.md has the cost).
+The fused Linears (qkv_proj, gate_up_proj) get one A and one B per projection they hold (q_proj,
+k_proj, v_proj; gate_proj, up_proj), under the names Hugging Face and PEFT give them:
+`model.layers.0.self_attn.q_proj`. The embeddings and the head stay frozen unless --lora-targets
+names them; then they train whole, in fp32 (PEFT's modules_to_save), at 16 bytes a parameter
+like full fine-tuning: a 152k-token vocabulary's matrix is 136M parameters at 0.5B's width.
+
+Sampling runs the adapters beside the frozen base (a forward hook adds the second term to each
+adapted Linear's output), not a merged copy of the weights: a copy would cost another base model
+of memory and a merge every step; beside it, a decode pass runs two small matmuls more per
+adapted Linear (docs/benchmarks.md has the cost).
 """
 
 import json
@@ -36,27 +41,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)  # every linear layer
-WHOLE = {
-    "embed_tokens": "model.embed_tokens.weight",
-    "lm_head": "lm_head.weight",
-}  # frozen unless named: then trained whole
+# every linear layer
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# frozen unless named: then trained whole
+WHOLE = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
 
 
 class Adapter(nn.Module):
     """
-    The LoRA term of one Linear, x (..., in) -> (..., out): for each projection p the Linear holds (parts, in its row
-    order), scale * B_p A_p x where p is a target, 0 where it is not. One matmul by the targets' A's stacked, one by
-    their B's laid block-diagonally (zero columns for the projections left out), so a fused Linear's adapters cost
-    two matmuls, not two per projection.
+    The LoRA term of one Linear, x (..., in) -> (..., out): for each projection p the Linear holds
+    (parts, in its row order), scale * B_p A_p x where p is a target, 0 where it is not. One
+    matmul by the targets' A's stacked, one by their B's laid block-diagonally (zero columns for
+    the projections left out), so a fused Linear's adapters cost two matmuls, not two per
+    projection.
     """
 
     def __init__(self, in_features, parts, targets, rank, alpha, generator):
@@ -74,28 +71,31 @@ class Adapter(nn.Module):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
     def forward(self, x):
-        a = torch.cat(
-            [self.lora_A[name] for name in self.widths if name in self.lora_A]
-        )  # (targets x r, in), in row order
+        # (targets x r, in), in row order
+        a = torch.cat([self.lora_A[name] for name in self.widths if name in self.lora_A])
+        # (out, targets x r)
         b = torch.block_diag(
             *(
                 self.lora_B[name] if name in self.lora_B else a.new_zeros(width, 0)
                 for name, width in self.widths.items()
             )
-        )  # (out, targets x r)
+        )
         return F.linear(F.linear(x, a), b) * self.scale
 
 
 def parse_targets(text):
-    """--lora-targets: "all-linear" (PEFT's word for every linear layer but the head) or names, "q_proj,v_proj", and
-    either may add embed_tokens and lm_head, which then train whole (PEFT's modules_to_save): "all-linear,lm_head"."""
+    """--lora-targets: "all-linear" (PEFT's word for every linear layer but the head) or names,
+    "q_proj,v_proj", and either may add embed_tokens and lm_head, which then train whole (PEFT's
+    modules_to_save): "all-linear,lm_head"."""
     targets = [t.strip() for t in text.split(",") if t.strip()]
     targets = [name for t in targets for name in (TARGETS if t == "all-linear" else [t])]
     unknown = [t for t in targets if t not in TARGETS and t not in WHOLE]
     if unknown or not set(targets) & set(TARGETS):
+        problem = f"unknown {unknown[0]!r}" if unknown else "no projection"
         raise ValueError(
-            f"--lora-targets={text!r}: {'unknown ' + repr(unknown[0]) if unknown else 'no projection'} "
-            f"(all-linear, or names from {', '.join(TARGETS)}; and embed_tokens, lm_head to train whole)"
+            f"--lora-targets={text!r}: {problem} "
+            f"(all-linear, or names from {', '.join(TARGETS)}; "
+            "and embed_tokens, lm_head to train whole)"
         )
     return targets
 
@@ -112,9 +112,10 @@ def adapted_linears(model):
 
 
 def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
-    """Freeze the model (its base in base_dtype, None: as it is) and give each target projection a LoRA adapter in
-    fp32, B = 0: the same function as before, now trainable only through the adapters, and through the embeddings or
-    the head if targets names them (trained whole, in fp32; a tied head is the embeddings). Returns the model."""
+    """Freeze the model (its base in base_dtype, None: as it is) and give each target projection a
+    LoRA adapter in fp32, B = 0: the same function as before, now trainable only through the
+    adapters, and through the embeddings or the head if targets names them (trained whole, in fp32;
+    a tied head is the embeddings). Returns the model."""
     whole = {id(model.get_parameter(WHOLE[name])) for name in targets if name in WHOLE}
     for p in model.parameters():
         p.requires_grad_(id(p) in whole)
@@ -123,10 +124,8 @@ def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
     generator = torch.Generator().manual_seed(seed)
     for _, linear, parts in adapted_linears(model):
         if set(parts) & set(targets):
-            device = linear.weight.device
-            linear.lora = Adapter(linear.in_features, parts, targets, rank, alpha, generator).to(
-                device
-            )
+            adapter = Adapter(linear.in_features, parts, targets, rank, alpha, generator)
+            linear.lora = adapter.to(linear.weight.device)
             linear.lora_hook = linear.register_forward_hook(_add_lora_term)
     model.lora_config = dict(rank=rank, alpha=alpha, targets=list(targets))
     return model
@@ -157,8 +156,9 @@ def has_adapters(model):
 
 
 def adapter_state_dict(model):
-    """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in), lora_B.weight (out, r);
-    and the modules trained whole, base_model.model.lm_head.weight (both names of a tied matrix, as PEFT keeps both)."""
+    """The adapters under PEFT's names: base_model.model.<projection>.lora_A.weight (r, in),
+    lora_B.weight (out, r); and the modules trained whole, base_model.model.lm_head.weight (both
+    names of a tied matrix, as PEFT keeps both)."""
     state = {
         f"base_model.model.{WHOLE[name]}": model.get_parameter(WHOLE[name])
         for name in whole_modules(model)
@@ -168,9 +168,8 @@ def adapter_state_dict(model):
             parent = name.rpartition(".")[0]
             for part in linear.lora.lora_A:
                 for kind in ("lora_A", "lora_B"):
-                    state[f"base_model.model.{parent}.{part}.{kind}.weight"] = getattr(
-                        linear.lora, kind
-                    )[part]
+                    weight = getattr(linear.lora, kind)[part]
+                    state[f"base_model.model.{parent}.{part}.{kind}.weight"] = weight
     return state
 
 
@@ -196,13 +195,14 @@ def merged_state_dict(model):
 
 
 def save_adapter(model, path, base_model):
-    """A PEFT folder: adapter_config.json and adapter_model.safetensors (fp32), for PeftModel.from_pretrained(base)."""
+    """A PEFT folder: adapter_config.json and adapter_model.safetensors (fp32), for
+    PeftModel.from_pretrained(base)."""
     cfg = model.lora_config
     os.makedirs(path, exist_ok=True)
+    # cloned one by one: a tied pair is saved as two copies
+    tensors = {k: v.detach().float().cpu().clone() for k, v in adapter_state_dict(model).items()}
     save_file(
-        {
-            k: v.detach().float().cpu().clone() for k, v in adapter_state_dict(model).items()
-        },  # a tied pair: two copies
+        tensors,
         os.path.join(path, "adapter_model.safetensors"),
         metadata={"format": "pt"},
     )
@@ -230,7 +230,8 @@ def save_adapter(model, path, base_model):
 
 
 def whole_modules(model):
-    """The modules a LoRA run trains whole: those its targets name, and with a tied head, both of its names."""
+    """The modules a LoRA run trains whole: those its targets name, and with a tied head, both of
+    its names."""
     named = [name for name in WHOLE if name in model.lora_config["targets"]]
     return list(WHOLE) if named and model.config.tie_word_embeddings else named
 
@@ -249,12 +250,12 @@ def read_adapter_config(path):
         or cfg.get("bias", "none") != "none"
     ):
         raise ValueError(
-            f"{path}: only LoRA adapters load here (no DoRA, no bias, modules_to_save only embed_tokens, lm_head)"
+            f"{path}: only LoRA adapters load here "
+            "(no DoRA, no bias, modules_to_save only embed_tokens, lm_head)"
         )
     targets = cfg["target_modules"]
-    targets = (
-        [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)
-    )  # "all-linear"
+    # a list of names, or the string "all-linear"
+    targets = [t for t in TARGETS if t in targets] if isinstance(targets, list) else list(TARGETS)
     base = cfg["base_model_name_or_path"]
     if base.startswith("."):  # relative to this folder: the two were moved together, or not at all
         base = os.path.normpath(os.path.join(path, base))
@@ -262,7 +263,8 @@ def read_adapter_config(path):
 
 
 def load_adapter(model, path):
-    """The adapter weights of a PEFT folder into the model's adapters (made by add_adapters with its settings)."""
+    """The adapter weights of a PEFT folder into the model's adapters (made by add_adapters with
+    its settings)."""
     saved = load_file(os.path.join(path, "adapter_model.safetensors"))
     saved = {
         k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
@@ -280,8 +282,8 @@ def load_adapter(model, path):
 
 
 def merge_adapters(model):
-    """Fold the adapters into the base weights, in fp32, and remove them: a plain, trainable model again (a full
-    fine-tuning run that starts from base + adapter)."""
+    """Fold the adapters into the base weights, in fp32, and remove them: a plain, trainable model
+    again (a full fine-tuning run that starts from base + adapter)."""
     merged = merged_state_dict(model)
     for _, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):

@@ -1,5 +1,6 @@
 """
-Tokenizers. Both expose the same methods, so chat_rl.py and engine.py never ask which one they hold:
+Tokenizers. Both expose the same methods, so chat_rl.py and engine.py never ask which one they
+hold:
 
     encode(text) -> list[int]            decode(ids) -> str
     render_conversation(conv) -> (ids, mask)   mask 1 = assistant tokens a model is trained on
@@ -14,8 +15,8 @@ tests use it, so nothing has to be downloaded. It saves itself as a standard Hug
 (tokenizer.json + chat template), so transformers loads a demo checkpoint with the same ids.
 HFTokenizer: a real checkpoint's tokenizer.json (the `tokenizers` library) with the model's own
 chat template, rendered the way transformers' apply_chat_template renders it.
-load_tokenizer(folder or hub id) picks the one a folder was saved with (ByteTokenizer's folders carry the
-marker chat_rl_tokenizer.json); save_pretrained writes it back.
+load_tokenizer(folder or hub id) picks the one a folder was saved with (ByteTokenizer's folders
+carry the marker chat_rl_tokenizer.json); save_pretrained writes it back.
 """
 
 import json
@@ -24,9 +25,9 @@ import re
 from datetime import datetime
 
 import jinja2
-from jinja2.sandbox import (
-    ImmutableSandboxedEnvironment,
-)  # templates from the hub are untrusted code
+
+# templates from the hub are untrusted code
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from policy.hf_folder import resolve_folder
@@ -74,7 +75,8 @@ class ByteTokenizer:
         return ids, mask
 
     def render_for_completion(self, conversation):
-        """The prompt for sampling: every turn up to the last user turn, then <|assistant_start|>."""
+        """The prompt for sampling: every turn up to the last user turn, then
+        <|assistant_start|>."""
         turns = _merged_turns(conversation)
         if turns and turns[-1][0] == "assistant":
             turns = turns[:-1]  # a conversation that carries its reference answer: drop it
@@ -87,10 +89,10 @@ class ByteTokenizer:
         """
         The files of a standard Hugging Face tokenizer, so AutoTokenizer loads the folder as it
         is, with the same ids and prompts as this class:
-          tokenizer.json         byte b -> id b (see byte_level_tokenizer), the special tokens at 256..260
-          tokenizer_config.json  the class transformers builds, and which special token is bos / eos
-          chat_template.jinja    CHAT_TEMPLATE: apply_chat_template renders what render_conversation does
-          generation_config.json the stop token, so transformers' generate stops where the engine does
+          tokenizer.json         byte b -> id b (byte_level_tokenizer), special tokens at 256..260
+          tokenizer_config.json  the class transformers builds; which special token is bos / eos
+          chat_template.jinja    CHAT_TEMPLATE: apply_chat_template gives render_conversation's ids
+          generation_config.json the stop token: transformers' generate stops where the engine does
         plus the marker chat_rl_tokenizer.json, which makes load_tokenizer return this class.
         """
         os.makedirs(path, exist_ok=True)
@@ -99,14 +101,14 @@ class ByteTokenizer:
         _write_json(
             os.path.join(path, "tokenizer_config.json"),
             {
-                "tokenizer_class": "PreTrainedTokenizerFast",  # a plain tokenizer.json, no Python tokenizer class
+                # a plain tokenizer.json, no Python tokenizer class
+                "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": "<|bos|>",
                 "eos_token": "<|assistant_end|>",
-                "model_input_names": [
-                    "input_ids",
-                    "attention_mask",
-                ],  # no token_type_ids, which generate() refuses
-                "clean_up_tokenization_spaces": False,  # decode must not drop the space in "x ." (the bytes are the text)
+                # no token_type_ids, which generate() refuses
+                "model_input_names": ["input_ids", "attention_mask"],
+                # decode must not drop the space in "x ." (the bytes are the text)
+                "clean_up_tokenization_spaces": False,
             },
         )
         with open(os.path.join(path, "chat_template.jinja"), "w") as f:
@@ -117,9 +119,11 @@ class ByteTokenizer:
         )
 
 
-# ByteTokenizer's conversation format as a Jinja chat template (the ecosystem's form of it), rendered to
-# text that the tokenizer.json below turns into exactly render_conversation's ids: the special tokens
-# are written as their strings, which the tokenizer maps to 256..260.
+# ByteTokenizer's conversation format as a Jinja chat template (the ecosystem's form of it),
+# rendered to text that the tokenizer.json below turns into exactly render_conversation's ids: the
+# special tokens are written as their strings, which the tokenizer maps to 256..260.
+# demo_model/chat_template.jinja holds this text byte for byte (a test compares them), so its long
+# lines stay as they are.
 CHAT_TEMPLATE = r"""{#- chat_rl's byte tokenizer (tokenizer.py): <|bos|>, then user turns <|user_start|>...<|user_end|> and
     assistant turns <|assistant_start|>...<|assistant_end|>, alternating; a leading system message is
     folded into the first user turn, joined by a blank line. -#}
@@ -141,35 +145,34 @@ CHAT_TEMPLATE = r"""{#- chat_rl's byte tokenizer (tokenizer.py): <|bos|>, then u
 {%- if add_generation_prompt -%}
     <|assistant_start|>
 {%- endif -%}
-"""
+"""  # noqa: E501
 
 
 def byte_level_tokenizer():
     """
-    ByteTokenizer as a `tokenizers` Tokenizer (what tokenizer.json holds): the ByteLevel pre-tokenizer
-    turns each UTF-8 byte of the text into one printable character (GPT-2's table, BYTE_CHARS), and a
-    BPE model with those 256 characters as its vocabulary (character of byte b -> id b) and no merges
-    maps each to its id, so every text encodes to its bytes. The decoder maps characters back to bytes
-    and decodes them as UTF-8, invalid sequences becoming U+FFFD as in ByteTokenizer.decode.
+    ByteTokenizer as a `tokenizers` Tokenizer (what tokenizer.json holds): the ByteLevel
+    pre-tokenizer turns each UTF-8 byte of the text into one printable character (GPT-2's table,
+    BYTE_CHARS), and a BPE model with those 256 characters as its vocabulary (character of byte b
+    -> id b) and no merges maps each to its id, so every text encodes to its bytes. The decoder
+    maps characters back to bytes and decodes them as UTF-8, invalid sequences becoming U+FFFD as
+    in ByteTokenizer.decode.
     """
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in BYTE_CHARS.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(
-        add_prefix_space=False, use_regex=False
-    )  # no word splits: none needed
+    # no word splits: none needed
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    # ids 256..260
     tok.add_special_tokens(
         [AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS]
-    )  # ids 256..260
+    )
     return tok
 
 
 def _byte_chars():
-    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other 68 for chr(256 + n)."""
-    printable = [
-        *range(0x21, 0x7F),
-        *range(0xA1, 0xAD),
-        *range(0xAE, 0x100),
-    ]  # "!".."~", "¡".."¬", "®".."ÿ"
+    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other 68
+    for chr(256 + n)."""
+    # "!".."~", "¡".."¬", "®".."ÿ"
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
@@ -196,7 +199,8 @@ def _merged_turns(conversation):
 
 
 # ---------------------------------------------------------------------------------------------
-# Real checkpoints: tokenizer.json + the chat template of tokenizer_config.json / chat_template.jinja
+# Real checkpoints: tokenizer.json + the chat template of tokenizer_config.json or
+# chat_template.jinja
 
 TOKENIZER_FILES = [
     "tokenizer.json",
@@ -208,7 +212,8 @@ TOKENIZER_FILES = [
 
 
 class HFTokenizer:
-    """A checkpoint folder's tokenizer.json, chat template and stop tokens, behind ByteTokenizer's methods."""
+    """A checkpoint folder's tokenizer.json, chat template and stop tokens, behind ByteTokenizer's
+    methods."""
 
     def __init__(self, folder):
         self.folder = folder
@@ -222,7 +227,8 @@ class HFTokenizer:
         self.tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         config = _read_json_if_any(folder, "tokenizer_config.json")
         special_map = _read_json_if_any(folder, "special_tokens_map.json")
-        # template variables (bos_token, eos_token, ...); a token is saved as a string or as {"content": ...}
+        # template variables (bos_token, eos_token, ...); a token is saved as a string or as
+        # {"content": ...}
         self.special_strings = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = config.get(key) or special_map.get(key)
@@ -231,18 +237,21 @@ class HFTokenizer:
             if value:
                 self.special_strings[key] = value
         self.template = _compile_chat_template(_read_chat_template(folder, config))
-        # the texts of control tokens (<|im_end|>, <|eot_id|>): in a message's content they are text, not control
+        # the texts of control tokens (<|im_end|>, <|eot_id|>): in a message's content they are
+        # text, not control
         self.special_texts = [
             t.content for t in self.tok.get_added_tokens_decoder().values() if t.special
         ]
-        # ids may have gaps (added tokens); the engine masks logits at ids >= vocab_size (embedding padding)
+        # ids may have gaps (added tokens); the engine masks logits at ids >= vocab_size (embedding
+        # padding)
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_id = (
             self.tok.token_to_id(self.special_strings["bos_token"])
             if "bos_token" in self.special_strings
             else None
         )
-        # stop on every id any of the three places calls end-of-sequence (Qwen2.5-Instruct: <|im_end|>, <|endoftext|>)
+        # stop on every id any of the three places calls end-of-sequence (Qwen2.5-Instruct:
+        # <|im_end|>, <|endoftext|>)
         self.stop_tokens = set()
         for file in ("generation_config.json", "config.json"):
             eos = _read_json_if_any(folder, file).get("eos_token_id")
@@ -265,7 +274,8 @@ class HFTokenizer:
         """The chat template applied to a list of messages, as a string."""
         if self.template is None:
             raise ValueError(
-                f"{self.folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)"
+                f"{self.folder} has no chat template "
+                "(tokenizer_config.json chat_template or chat_template.jinja)"
             )
         return self.template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_strings
@@ -273,43 +283,42 @@ class HFTokenizer:
 
     def encode_messages(self, messages, add_generation_prompt):
         """
-        The chat template's tokens, where a control token comes only from the template: the text of one inside a
-        message (a question holding "<|im_end|>") is encoded as the ordinary text it is, so a data row cannot forge a
-        turn. The template is rendered with each content replaced by a placeholder, the template's text between them
-        encoded with its control tokens and each content as plain text. Contents without such text take the plain
-        route, the whole rendered text encoded at once, exactly as transformers' apply_chat_template(tokenize=True).
+        The chat template's tokens, where a control token comes only from the template: the text of
+        one inside a message (a question holding "<|im_end|>") is encoded as the ordinary text it
+        is, so a data row cannot forge a turn. The template is rendered with each content replaced
+        by a placeholder, the template's text between them encoded with its control tokens and each
+        content as plain text. Contents without such text take the plain route, the whole rendered
+        text encoded at once, exactly as transformers' apply_chat_template(tokenize=True).
         """
         text = self.render_text(messages, add_generation_prompt)
         if not any(s in str(m["content"]) for m in messages for s in self.special_texts):
             return self.encode(text)
-        marks = [
-            f"\ue000{i}\ue001" for i in range(len(messages))
-        ]  # private-use characters: in no real text
+        # private-use characters: in no real text
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         shell = self.render_text(
             [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt
         )
-        pieces = re.split(
-            "(" + "|".join(map(re.escape, marks)) + ")", shell
-        )  # template, mark, template, ...
+        # template, mark, template, ...
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", shell)
         content = {mark: str(m["content"]) for mark, m in zip(marks, messages)}
         if "".join(content.get(p, p) for p in pieces) != text:
             raise ValueError(
-                "this chat template rewrites a message's content, and the content holds a control token's "
-                "text that cannot then be kept apart as text"
+                "this chat template rewrites a message's content, and the content holds a "
+                "control token's text that cannot then be kept apart as text"
             )
         ids = []
         try:
             for piece in pieces:
-                self.tok.encode_special_tokens = (
-                    piece in content
-                )  # control-token texts inside a content: plain text
+                # control-token texts inside a content: plain text
+                self.tok.encode_special_tokens = piece in content
                 ids += self.tok.encode(content.get(piece, piece), add_special_tokens=False).ids
         finally:
             self.tok.encode_special_tokens = False
         return ids
 
     def render_for_completion(self, conversation):
-        """The prompt for sampling: the template with add_generation_prompt, a trailing reference answer dropped."""
+        """The prompt for sampling: the template with add_generation_prompt, a trailing reference
+        answer dropped."""
         messages = conversation["messages"]
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
@@ -322,11 +331,12 @@ class HFTokenizer:
         Templates differ in how they wrap a turn, so the assistant's tokens are found by rendering
         prefixes, not by parsing. A turn starts where "the messages before it + the generation
         prompt" stops agreeing token by token with the whole conversation (a token straddling that
-        boundary is left out), and runs to its first stop token (<|im_end|>, <|eot_id|>): what follows
-        it, like Qwen's "\n", is template glue the model never samples. The run never passes the
-        point where "the messages up to and including this turn" stops agreeing, unless that point is
-        the turn's start: templates may render a turn differently once it is no longer the last
-        (Qwen3 adds an empty <think></think> to the final turn only), and then the stop token alone ends it.
+        boundary is left out), and runs to its first stop token (<|im_end|>, <|eot_id|>): what
+        follows it, like Qwen's "\n", is template glue the model never samples. The run never
+        passes the point where "the messages up to and including this turn" stops agreeing, unless
+        that point is the turn's start: templates may render a turn differently once it is no
+        longer the last (Qwen3 adds an empty <think></think> to the final turn only), and then the
+        stop token alone ends it.
         """
         messages = conversation["messages"]
         ids = self.encode_messages(messages, add_generation_prompt=False)
@@ -347,14 +357,14 @@ class HFTokenizer:
         return ids, mask
 
     def save_pretrained(self, path):
-        """Copy the tokenizer files; generation_config.json gets the stop tokens so transformers' generate stops where we do."""
+        """Copy the tokenizer files; generation_config.json gets the stop tokens so transformers'
+        generate stops where we do."""
         os.makedirs(path, exist_ok=True)
         for name, data in self.files.items():
             with open(os.path.join(path, name), "wb") as f:
                 f.write(data)
-        generation = _read_json_if_any(
-            path, "generation_config.json"
-        )  # keeps the model's sampling defaults
+        # keeps the model's sampling defaults
+        generation = _read_json_if_any(path, "generation_config.json")
         generation["eos_token_id"] = sorted(self.stop_tokens)
         if self.bos_id is not None:
             generation.setdefault("bos_token_id", self.bos_id)
@@ -362,7 +372,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(name_or_dir):
-    """HFTokenizer for a folder (or hub id) with tokenizer.json; ByteTokenizer for one saved by ByteTokenizer."""
+    """HFTokenizer for a folder (or hub id) with tokenizer.json; ByteTokenizer for one saved by
+    ByteTokenizer."""
     folder = resolve_folder(name_or_dir)
     # the marker first: a byte tokenizer's folder carries a tokenizer.json too (for transformers)
     if _read_json_if_any(folder, "chat_rl_tokenizer.json").get("type") == "byte":
@@ -370,12 +381,14 @@ def load_tokenizer(name_or_dir):
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
         return HFTokenizer(folder)
     raise ValueError(
-        f"{folder} has neither tokenizer.json (a fast tokenizer) nor chat_rl_tokenizer.json (the byte tokenizer)"
+        f"{folder} has neither tokenizer.json (a fast tokenizer) "
+        "nor chat_rl_tokenizer.json (the byte tokenizer)"
     )
 
 
 def _read_chat_template(folder, config):
-    """chat_template.jinja (newer saves) else tokenizer_config.json's chat_template (a string or a list of named ones)."""
+    """chat_template.jinja (newer saves) else tokenizer_config.json's chat_template (a string or a
+    list of named ones)."""
     jinja_file = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(jinja_file):
         with open(jinja_file) as f:
@@ -387,28 +400,30 @@ def _read_chat_template(folder, config):
 
 
 def _compile_chat_template(source):
-    """Jinja set up as the ecosystem renders chat templates: sandboxed, trim/lstrip blocks, raise_exception."""
+    """Jinja set up as the ecosystem renders chat templates: sandboxed, trim/lstrip blocks,
+    raise_exception."""
     if source is None:
         return None
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    # jinja's own tojson escapes <, >, & as HTML; templates expect plain JSON
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
+    # Llama 3.x templates date the system turn
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
-    env.filters["tojson"] = (
-        tojson  # jinja's own escapes <, >, & as HTML, templates expect plain JSON
-    )
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(
-        fmt
-    )  # Llama 3.x templates date the system turn
+    env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
 
 
