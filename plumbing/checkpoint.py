@@ -4,14 +4,13 @@ resume exactly, and the decision where a run starts.
 
 A checkpoint is <out_dir>/step_000120/: a Hugging Face folder (config.json, model.safetensors,
 tokenizer files) that transformers and `--model` load as it is, plus trainer_state.pt holding
-the optimizer state, the step, every rank's RNG state and the run's config; a LoRA run's holds its
-weights merged, and its adapter alone in adapter/, a PEFT folder with the tokenizer beside it
-(lora_base says how it names its base). Under --fsdp the
-optimizer state is in optimizer/ instead, one file per rank with its shard (fsdp.py); either kind
-resumes with or without --fsdp. Data position is the
-step itself: step s always takes the s-th slice of a per-epoch permutation fixed by the seed, and
-every sampling seed is derived from (seed, step, rank), so nothing else is needed to continue
-bit-identically on CPU.
+the optimizer state, the step, every rank's RNG state and the run's config; a LoRA run's holds
+its weights merged, and its adapter alone in adapter/, a PEFT folder with the tokenizer beside it
+(lora_base says how it names its base). Under --fsdp the optimizer state is in optimizer/
+instead, one file per rank with its shard (fsdp.py); either kind resumes with or without --fsdp.
+Data position is the step itself: step s always takes the s-th slice of a per-epoch permutation
+fixed by the seed, and every sampling seed is derived from (seed, step, rank), so nothing else
+is needed to continue bit-identically on CPU.
 Writes are atomic: the folder is written under a temporary name and renamed into place, so a
 crash mid-write leaves a `.tmp-` folder that is never mistaken for a checkpoint.
 """
@@ -36,7 +35,8 @@ from policy.hf_folder import write_config, write_weights
 from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
-# (--fsdp and --activation-checkpointing change where the memory goes, --logprobs how the loss is computed, not what)
+# (--fsdp and --activation-checkpointing change where the memory goes, --logprobs how the loss
+# is computed, not what)
 MAY_DIFFER = {
     "out_dir",
     "resume",
@@ -62,9 +62,8 @@ ADDED = {
     "clip_eps_high": -1.0,
 }
 
-REPO = os.path.dirname(
-    os.path.dirname(os.path.abspath(__file__))
-)  # the repository root, above plumbing/
+# the repository root, above plumbing/
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_policy(path, device, dtype=torch.float32, keep_fp32=()):
@@ -200,7 +199,8 @@ def has_run(out_dir):
 
 
 def save(cfg, step, model, tokenizer, optimizer, rank, world):
-    """Every rank calls this (to hand over its RNG state, and under FSDP its shards); rank 0 writes the rest."""
+    """Every rank calls this (to hand over its RNG state, and under FSDP its shards); rank 0
+    writes the rest."""
     rng = {
         "cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -219,16 +219,16 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
             if name.startswith(".tmp-step_"):
                 shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
         os.makedirs(tmp)
-    if sharded:  # every rank: the weights gathered tensor by tensor, and its own shard of the optimizer state
-        dist.barrier()  # the temporary folder exists, and no leftover is being deleted under another rank
+    # every rank: the weights gathered tensor by tensor, and its own shard of the optimizer state
+    if sharded:
+        # the temporary folder exists, and no leftover is being deleted under another rank
+        dist.barrier()
         fsdp.save_weights(model, tmp, rank)
-    saved_optimizer = fsdp.save_optimizer(
-        model, optimizer, os.path.join(tmp, "optimizer")
-    )  # None: in optimizer/
+    # None when sharded: each rank wrote its shard into optimizer/
+    saved_optimizer = fsdp.save_optimizer(model, optimizer, os.path.join(tmp, "optimizer"))
     if rank == 0:
-        if lora.has_adapters(
-            model
-        ):  # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
+        # the merged weights, a plain folder; the adapter alone beside it, PEFT's folder
+        if lora.has_adapters(model):
             write_weights(tmp, lora.merged_state_dict(model))
             write_config(tmp, model.config, torch.float32)
             adapter = os.path.join(tmp, "adapter")  # its base, as seen from step_N/adapter
@@ -245,9 +245,8 @@ def save(cfg, step, model, tokenizer, optimizer, rank, world):
             "config": vars(cfg),
         }
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        for folder, _, names in os.walk(
-            tmp
-        ):  # make the bytes durable before the rename makes them visible
+        # make the bytes durable before the rename makes them visible
+        for folder, _, names in os.walk(tmp):
             for name in names:
                 with open(os.path.join(folder, name), "rb") as f:
                     os.fsync(f.fileno())
@@ -279,8 +278,9 @@ def resume_point(cfg, world, device, restarted=False):
     resume = cfg.resume or restarted
     if not resume and has_run(cfg.out_dir):
         raise ConfigError(
-            f"{cfg.out_dir} already holds a run, which a new one would overwrite: to continue it, give the "
-            f"same command plus --resume; to start another, pass --out-dir={_free_folder(cfg.out_dir)}"
+            f"{cfg.out_dir} already holds a run, which a new one would overwrite: "
+            f"to continue it, give the same command plus --resume; "
+            f"to start another, pass --out-dir={_free_folder(cfg.out_dir)}"
         )
     start_step, state = find_resumable(cfg, world) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
@@ -288,7 +288,8 @@ def resume_point(cfg, world, device, restarted=False):
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         if found[0] != -found[1]:
             raise ConfigError(
-                f"ranks found different checkpoints in {cfg.out_dir}: it must be one folder all ranks see"
+                f"ranks found different checkpoints in {cfg.out_dir}: "
+                f"it must be one folder all ranks see"
             )
     return start_step, state
 
@@ -320,7 +321,8 @@ def find_resumable(cfg, world):
             os.path.join(path, "optimizer", ".metadata")
         ):
             raise FileNotFoundError(
-                "its optimizer/ folder of per-rank shards (an --fsdp run's) is missing or incomplete"
+                "its optimizer/ folder of per-rank shards (an --fsdp run's) "
+                "is missing or incomplete"
             )
     except Exception as e:
         raise ConfigError(
@@ -328,9 +330,8 @@ def find_resumable(cfg, world):
             f"move it away to resume from an earlier one"
         ) from None
     saved = {**ADDED, **state["config"]}
-    if (
-        saved.get("loss_norm") == "token"
-    ):  # kept_tokens' name in earlier checkpoints: the same computation
+    # kept_tokens' name in earlier checkpoints: the same computation
+    if saved.get("loss_norm") == "token":
         saved = {**saved, "loss_norm": "kept_tokens"}
     differs = [
         k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)
@@ -342,18 +343,16 @@ def find_resumable(cfg, world):
             f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs
         )
         hint = ""
-        if (
-            "rows_fingerprint" in differs
-        ):  # the same flags, other rows: a data file edited or a hub data set updated
+        # the same flags, other rows: a data file edited or a hub data set updated
+        if "rows_fingerprint" in differs:
             hint = (
                 "; rows_fingerprint hashes the training rows: these are not the rows it trained on"
             )
-        if {"num_steps", "num_epochs"} & set(
-            differs
-        ):  # the learning rate decays to 0 over the run's length
+        # the learning rate decays to 0 over the run's length
+        if {"num_steps", "num_epochs"} & set(differs):
             hint = (
-                f"; a run's length is part of its learning-rate schedule, so it cannot change: to train on, "
-                f"start a new run with --model={path} and a new --out-dir"
+                f"; a run's length is part of its learning-rate schedule, so it cannot change: "
+                f"to train on, start a new run with --model={path} and a new --out-dir"
             )
         raise ConfigError(f"checkpoint {path} was made with different settings: {detail}{hint}")
     state["model_dir"] = path
@@ -361,8 +360,8 @@ def find_resumable(cfg, world):
 
 
 def restore(state, model, optimizer, rank):
-    """The optimizer state and this rank's RNG state of a checkpoint (the weights came with the model); state None, a
-    fresh run's: nothing."""
+    """The optimizer state and this rank's RNG state of a checkpoint (the weights came with the
+    model); state None, a fresh run's: nothing."""
     if state is None:
         return
     fsdp.restore_optimizer(

@@ -1,9 +1,10 @@
 """
-Where a run's problems come from, and in what order: the task's train and test rows (its own loader, or --data's
-files or hub data set), checked and loaded before the model (bad data stops the run in seconds with one line, not
-after a model load); each step's share of them; and every seed of a run, derived so that a resumed run draws what it
-would have drawn. Every rank reads the rows itself: the loaders are deterministic, so every rank holds the same rows
-in the same order, and nothing has to be broadcast.
+Where a run's problems come from, and in what order: the task's train and test rows (its own
+loader, or --data's files or hub data set), checked and loaded before the model (bad data stops
+the run in seconds with one line, not after a model load); each step's share of them; and every
+seed of a run, derived so that a resumed run draws what it would have drawn. Every rank reads the
+rows itself: the loaders are deterministic, so every rank holds the same rows in the same order,
+and nothing has to be broadcast.
 """
 
 import hashlib
@@ -15,24 +16,25 @@ import torch
 from plumbing.flags import ConfigError, RunError
 from tasks.common import use_cache_if_hub_unreachable
 
+# a file's extension -> the datasets loader that reads it
 FILE_FORMATS = {
     ".jsonl": "json",
     ".json": "json",
     ".parquet": "parquet",
     ".csv": "csv",
-}  # datasets' loaders
+}
 
 
 def load_data(task, cfg):
-    """(train rows, eval rows): the task's own, or --data's (and --eval-data's) when given; cfg.eval_examples eval
-    rows at most, none when no eval runs; at least one step's worth of training rows, none for --eval-only."""
+    """(train rows, eval rows): the task's own, or --data's (and --eval-data's) when given;
+    cfg.eval_examples eval rows at most, none when no eval runs; at least one step's worth of
+    training rows, none for --eval-only."""
     evals_on = cfg.eval_only or cfg.eval_every > 0
-    if (
-        cfg.data and evals_on and not cfg.eval_data and os.path.isfile(cfg.data)
-    ):  # no silent split of the user's rows
+    # no silent split of the user's rows
+    if cfg.data and evals_on and not cfg.eval_data and os.path.isfile(cfg.data):
         raise ConfigError(
-            f"--data={cfg.data} is one file, so it holds no held-out rows: name them with --eval-data=<file>, "
-            f"or turn evals off with --eval-every=-1"
+            f"--data={cfg.data} is one file, so it holds no held-out rows: "
+            f"name them with --eval-data=<file>, or turn evals off with --eval-every=-1"
         )
     try:
         if cfg.data:
@@ -51,16 +53,10 @@ def load_data(task, cfg):
             eval_rows = task.load("test", limit=cfg.eval_examples) if evals_on else []
     except (RuntimeError, ValueError) as e:
         raise RunError(str(e)) from None
-    check_rows(task, train_rows, f"--data={cfg.data}" if cfg.data else cfg.task)
-    check_rows(
-        task,
-        eval_rows,
-        f"--eval-data={cfg.eval_data}"
-        if cfg.eval_data
-        else f"--data={cfg.data}"
-        if cfg.data
-        else cfg.task,
-    )
+    train_source = f"--data={cfg.data}" if cfg.data else cfg.task
+    check_rows(task, train_rows, train_source)
+    eval_source = f"--eval-data={cfg.eval_data}" if cfg.eval_data else train_source
+    check_rows(task, eval_rows, eval_source)
     if not cfg.eval_only and len(train_rows) < cfg.examples_per_step:
         raise ConfigError(
             f"{cfg.data or cfg.task} has {len(train_rows)} training problems, fewer than "
@@ -74,18 +70,16 @@ def load_data(task, cfg):
 
 
 def read_rows(source, config="", split="train", limit=None):
-    """Rows (dicts, every column) of a local .jsonl / .json / .parquet / .csv file (all of it, whatever split says: a
-    file is one split), of a split of a folder of such files (datasets names splits by file name: train.jsonl,
-    test.csv, ...), or of a split of a hub data set (config: its configuration, "" for the default)."""
+    """Rows (dicts, every column) of a local .jsonl / .json / .parquet / .csv file (all of it,
+    whatever split says: a file is one split), of a split of a folder of such files (datasets
+    names splits by file name: train.jsonl, test.csv, ...), or of a split of a hub data set
+    (config: its configuration, "" for the default)."""
     if os.path.isfile(source):
         extension = os.path.splitext(source)[1].lower()
         if extension not in FILE_FORMATS:
             raise ValueError(f"{source}: not a {' / '.join(FILE_FORMATS)} file")
-        split, args, kwargs = (
-            "train",
-            (FILE_FORMATS[extension],),
-            dict(data_files=os.path.abspath(source)),
-        )  # its one split
+        split = "train"  # its one split
+        args, kwargs = (FILE_FORMATS[extension],), dict(data_files=os.path.abspath(source))
     elif os.path.isdir(source):
         args, kwargs = (os.path.abspath(source),), {}
     elif "/" in source and not os.path.exists(source.split("/")[0]) and not source.startswith("."):
@@ -99,7 +93,8 @@ def read_rows(source, config="", split="train", limit=None):
 
     local, shown = os.path.exists(source), not datasets.are_progress_bars_disabled()
     if local and shown:
-        datasets.disable_progress_bars()  # a local file reads in a moment: its bars would only clutter the log
+        # a local file reads in a moment: its bars would only clutter the log
+        datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(*args, split=split, **kwargs)
     except Exception as e:  # a missing split, a malformed file, no network and no cache: one line
@@ -115,8 +110,8 @@ def read_rows(source, config="", split="train", limit=None):
 
 
 def check_rows(task, rows, source):
-    """Every row gives a prompt and a reference: a missing column or an unreadable answer is one line naming the row
-    and the columns that exist, not a KeyError in the middle of a rollout."""
+    """Every row gives a prompt and a reference: a missing column or an unreadable answer is one
+    line naming the row and the columns that exist, not a KeyError in the middle of a rollout."""
     for i, row in enumerate(rows):
         try:
             ok = isinstance(task.prompt(row), str) and task.reference(row) is not None
@@ -133,7 +128,8 @@ def check_rows(task, rows, source):
             raise ConfigError(f"{source}: row {i}: {type(e).__name__}: {e}") from None
         if not ok:
             raise ConfigError(
-                f"{source}: row {i} has no answer the verifier can read ({json.dumps(row, default=str)[:200]})"
+                f"{source}: row {i} has no answer the verifier can read "
+                f"({json.dumps(row, default=str)[:200]})"
             )
 
 
@@ -145,8 +141,9 @@ def rows_fingerprint(rows):
 
 
 def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
-    """Step s takes the s-th slice of a permutation of the training problems fixed per epoch, and
-    rank r the r-th part of that slice: the step alone fixes the data, so a resumed run continues it."""
+    """Step s takes the s-th slice of a permutation of the training problems fixed per epoch,
+    and rank r the r-th part of that slice: the step alone fixes the data, so a resumed run
+    continues it."""
     epoch, offset = divmod(step, len(train_rows) // examples_per_step)
     order = torch.randperm(
         len(train_rows), generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
@@ -157,10 +154,11 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
 
 
 def derive_seed(*parts):
-    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data", epoch), or (the
-    step's seed, a problem's place in the step), the step's seed being (run seed, "rollout", step). Bare arithmetic
-    would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 = seed 1, epoch 0). Every eval draws from the same
-    streams (one per held-out problem), so pass@k moves with the policy, not with the sampling noise."""
+    """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data",
+    epoch), or (the step's seed, a problem's place in the step), the step's seed being (run seed,
+    "rollout", step). Bare arithmetic would mix them up (seed * 1000 + epoch: seed 0, epoch 1000 =
+    seed 1, epoch 0). Every eval draws from the same streams (one per held-out problem), so pass@k
+    moves with the policy, not with the sampling noise."""
     return (
         int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
     )

@@ -20,8 +20,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(hours=1)
 
 
 def setup_distributed(device_type, fsdp=False):
-    """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU. FSDP needs a process
-    group even for one process: it gets a group of one."""
+    """(rank, world_size, device). torchrun sets RANK; gloo on CPU, nccl on GPU. FSDP needs a
+    process group even for one process: it gets a group of one."""
     if not device_type:
         device_type = (
             "cuda"
@@ -38,16 +38,17 @@ def setup_distributed(device_type, fsdp=False):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device(device_type)
-        # ranks sharing one CPU split its cores instead of fighting over them (unless the user said otherwise)
+        # ranks sharing one CPU split its cores instead of fighting over them; OMP_NUM_THREADS wins
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(
                 max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             )
     if world > 1 and not dist.is_initialized():
-        # torchrun --max-restarts keeps one key-value store across the restarts of a group, and the
-        # old group's rank addresses are still in it: a restarted rank can read a dead peer's address
-        # and fail ("connectFullMesh failed ... Connection refused"; scripts/repro_gloo_restart.py shows it)
-        # or wait on it. Each restart therefore gets keys of its own.
+        # torchrun --max-restarts keeps one key-value store across the restarts of a group, and
+        # the old group's rank addresses are still in it: a restarted rank can read a dead peer's
+        # address and fail ("connectFullMesh failed ... Connection refused";
+        # scripts/repro_gloo_restart.py shows it) or wait on it. Each restart therefore gets keys
+        # of its own.
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"chat_rl/restart_{restart_count()}", store)
         init_process_group(device, store, rank, world)
@@ -97,9 +98,9 @@ def is_sharded(model):
 
 
 def sync_gradients(model):
-    """Sum gradients over ranks (the loss is already divided by the step's global normaliser, so a sum
-    is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros.
-    A sharded model has nothing to do here: FSDP reduce-scattered the sums during the backward pass."""
+    """Sum gradients over ranks (the loss is already divided by the step's global normaliser, so a
+    sum is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros.
+    A sharded model has nothing to do here: FSDP reduce-scattered the sums in the backward pass."""
     if not dist.is_initialized() or is_sharded(model):
         return
     for p in model.parameters():

@@ -1,5 +1,6 @@
 """
-The command line: flags and their checks, and the run that starts from them, kept out of chat_rl.py's reading line.
+The command line: flags and their checks, and the run that starts from them, kept out of
+chat_rl.py's reading line.
 
 chat_rl.HYPERPARAMETERS maps each name to (default, help), and chat_rl.PRESETS names a few runs by
 their changes to the defaults. A run starts from the defaults, with a preset's changes over them
@@ -28,8 +29,9 @@ from tasks.common import get_task
 
 
 class RunError(Exception):
-    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run gone non-finite.
-    every_rank: every rank stops for this same reason (a bad flag, a verdict on summed figures), so rank 0 says it."""
+    """Stops the run with a one-line message (exit 1): data or model that cannot be loaded, a run
+    gone non-finite. every_rank: every rank stops for this same reason (a bad flag, a verdict on
+    summed figures), so rank 0 says it."""
 
     def __init__(self, message, every_rank=False):
         super().__init__(message)
@@ -44,11 +46,11 @@ class ConfigError(RunError):
 
 
 def run(train, hyperparameters, presets, doc, argv):
-    """The command line: flags over hyperparameters, checked for world size ranks before any process group, model or
-    data; then this rank's process group and device, and train(cfg, rank, world, device). A RunError is said in one
-    line on stderr (once, by rank 0, when every rank has it) and returns 1, 2 for a ConfigError; anything else is a
-    bug and keeps its traceback. The signal handlers train() installs (plumbing/stop.py) end with
-    the run."""
+    """The command line: flags over hyperparameters, checked for world size ranks before any
+    process group, model or data; then this rank's process group and device, and train(cfg, rank,
+    world, device). A RunError is said in one line on stderr (once, by rank 0, when every rank has
+    it) and returns 1, 2 for a ConfigError; anything else is a bug and keeps its traceback. The
+    signal handlers train() installs (plumbing/stop.py) end with the run."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = parse_config(argv, hyperparameters, presets, doc)
@@ -60,10 +62,8 @@ def run(train, hyperparameters, presets, doc, argv):
     except RunError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"chat_rl: error: {e}", file=sys.stderr)
-        elif os.environ.get(
-            "TORCHELASTIC_RUN_ID"
-        ):  # torchrun stops every rank once one exits: rank 0 speaks first
-            time.sleep(1.0)
+        elif os.environ.get("TORCHELASTIC_RUN_ID"):
+            time.sleep(1.0)  # torchrun stops every rank once one exits: rank 0 speaks first
         return 2 if isinstance(e, ConfigError) else 1
     finally:
         if torch.distributed.is_initialized():
@@ -74,18 +74,17 @@ def run(train, hyperparameters, presets, doc, argv):
 
 
 def parse_config(argv, hyperparameters, presets=None, doc=""):
-    """Flags over a preset's values over the defaults; unknown names and bad values raise ConfigError."""
+    """Flags over a preset's values over the defaults; unknown names and bad values raise
+    ConfigError."""
     presets = presets or {}
     if "--help" in argv or "-h" in argv:
         try:
             print_help(hyperparameters, presets, doc)
             sys.stdout.flush()
-        except (
-            BrokenPipeError
-        ):  # `--help | head` closed the pipe: what it read is all that was wanted
-            os.dup2(
-                os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-            )  # no second error when Python flushes at exit
+        except BrokenPipeError:
+            # `--help | head` closed the pipe: what it read is all that was wanted. Stdout goes
+            # to /dev/null, so that Python's flush at exit raises no second error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     flags, i = {}, 0
     while i < len(argv):
@@ -103,11 +102,9 @@ def parse_config(argv, hyperparameters, presets=None, doc=""):
             raise ConfigError(f"unknown flag --{name.replace('_', '-')} ({hint})")
         is_bool = name != "preset" and isinstance(hyperparameters[name][0], bool)
         next_is_value = i < len(argv) and not argv[i].startswith("--")
+        # --name value (a bool takes the next word only if it is one)
         if not has_value and next_is_value and (not is_bool or argv[i].lower() in _BOOLS):
-            value, has_value = (
-                argv[i],
-                True,
-            )  # --name value (a bool takes the next word only if it is one)
+            value, has_value = argv[i], True
             i += 1
         if not has_value and not is_bool:
             raise ConfigError(f"--{name.replace('_', '-')} needs a value")
@@ -129,7 +126,8 @@ _BOOLS = ("true", "false", "1", "0")
 
 
 def preset_note(cfg, presets):
-    """One line when a preset's model is replaced: its learning rate, budget and eval were chosen for that model."""
+    """One line when a preset's model is replaced: its learning rate, budget and eval were chosen
+    for that model."""
     tuned_for = presets.get(cfg.preset, {}).get("model")
     if not tuned_for or cfg.model == tuned_for:
         return ""
@@ -143,8 +141,9 @@ def preset_note(cfg, presets):
     if not kept:
         return ""
     return (
-        f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; with --model={cfg.model} it "
-        f'still sets {" ".join(kept)}: give your model\'s own values (README, "A real model on a laptop")'
+        f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; "
+        f"with --model={cfg.model} it still sets {' '.join(kept)}: "
+        'give your model\'s own values (README, "A real model on a laptop")'
     )
 
 
@@ -162,15 +161,14 @@ def _convert(name, value, default):
 
 
 def print_help(hyperparameters, presets, doc):
+    # the docstring's summary line: one whole sentence (a test holds it so)
+    print(doc.strip().split("\n")[0])
     print(
-        doc.strip().split("\n")[0]
-    )  # the docstring's summary line: one whole sentence (a test holds it so)
-    print(
-        f"\nusage: python -m chat_rl [--preset={'|'.join(presets)}] [--name=value | --name value ...]\n"
+        f"\nusage: python -m chat_rl [--preset={'|'.join(presets)}] "
+        f"[--name=value | --name value ...]\n"
     )
-    width = (
-        max(len(name) for name in hyperparameters) + 2
-    )  # the longest flag, --activation-checkpointing
+    # the longest flag, --activation-checkpointing, and its two dashes
+    width = max(len(name) for name in hyperparameters) + 2
     print(f"  {'flag':<{width}} {'default':<28} meaning")
     for name, (default, help) in hyperparameters.items():
         print(f"  --{name.replace('_', '-'):<{width - 2}} {default!r:<28} {help}")
@@ -206,9 +204,10 @@ def check_config(cfg, world_size):
             )
     if cfg.examples_per_step % world_size:
         lower = cfg.examples_per_step - cfg.examples_per_step % world_size
+        nearest = ", ".join(str(n) for n in (lower, lower + world_size) if n > 0)
         raise ConfigError(
-            f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} ranks: "
-            f"use a multiple of {world_size}, e.g. {', '.join(str(n) for n in (lower, lower + world_size) if n > 0)}"
+            f"--examples-per-step={cfg.examples_per_step} is not divisible by the {world_size} "
+            f"ranks: use a multiple of {world_size}, e.g. {nearest}"
         )
     for name in ("temperature", "lr", "weight_decay", "grad_clip", "format_weight"):
         if not math.isfinite(getattr(cfg, name)):
@@ -221,14 +220,18 @@ def check_config(cfg, world_size):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.num_samples < 2 or cfg.temperature == 0:
-        # one sample, or identical greedy samples, give every group a zero advantage: nothing would train
+        # one sample, or identical greedy samples, give every group a zero advantage:
+        # nothing would train
         raise ConfigError(
-            f"rollouts need --num-samples >= 2 and --temperature > 0 (got {cfg.num_samples}, {cfg.temperature})"
+            f"rollouts need --num-samples >= 2 and --temperature > 0 "
+            f"(got {cfg.num_samples}, {cfg.temperature})"
         )
     if cfg.device_batch_tokens < cfg.max_new_tokens:
-        # a micro-batch never splits a row, so a row past the budget would run alone, over it, and slowly
+        # a micro-batch never splits a row, so a row past the budget would run alone,
+        # over it, and slowly
         raise ConfigError(
-            f"--device-batch-tokens={cfg.device_batch_tokens} is below --max-new-tokens={cfg.max_new_tokens}: "
+            f"--device-batch-tokens={cfg.device_batch_tokens} is below "
+            f"--max-new-tokens={cfg.max_new_tokens}: "
             f"one completion, without its prompt, may need more than a micro-batch holds"
         )
     if cfg.logprobs not in ("fast", "plain"):
@@ -247,25 +250,22 @@ def check_config(cfg, world_size):
         raise ConfigError("--fsdp runs on cuda (nccl) or cpu (gloo), not mps")
     if cfg.loss_norm == "token":  # earlier versions' name for kept_tokens
         raise ConfigError(
-            "--loss-norm=token is now kept_tokens (the same normaliser); all_tokens counts the dropped groups too"
+            "--loss-norm=token is now kept_tokens (the same normaliser); "
+            "all_tokens counts the dropped groups too"
         )
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in (
-        "kept_tokens",
-        "all_tokens",
-        "sequence",
-    ):
+    loss_norms = ("kept_tokens", "all_tokens", "sequence")
+    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in loss_norms:
         raise ConfigError(
             "--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence"
         )
     check_objective(cfg)
     check_model_path(cfg.model)
-    for name, parameter in inspect.signature(
-        generic.make
-    ).parameters.items():  # the generic task's options
+    # the generic task's options
+    for name, parameter in inspect.signature(generic.make).parameters.items():
         if cfg.task != "data" and getattr(cfg, name) != parameter.default:
             raise ConfigError(
-                f"--{name.replace('_', '-')} is for --task=data, your own rows; --task={cfg.task} reads its "
-                f"own columns and grades with its own verifier"
+                f"--{name.replace('_', '-')} is for --task=data, your own rows; "
+                f"--task={cfg.task} reads its own columns and grades with its own verifier"
             )
     if (
         cfg.lora_rank < 0
@@ -274,14 +274,14 @@ def check_config(cfg, world_size):
         or not math.isfinite(cfg.lora_lr + cfg.lora_alpha)
     ):
         raise ConfigError(
-            f"--lora-rank must be >= 0 (0 = off), --lora-alpha and --lora-lr above 0 (got {cfg.lora_rank}, "
-            f"{cfg.lora_alpha}, {cfg.lora_lr})"
+            f"--lora-rank must be >= 0 (0 = off), --lora-alpha and --lora-lr above 0 "
+            f"(got {cfg.lora_rank}, {cfg.lora_alpha}, {cfg.lora_lr})"
         )
     if cfg.lora_rank and cfg.fsdp:
         raise ConfigError(
-            "--lora-rank with --fsdp is not built: LoRA's frozen bf16 base is 2 bytes a parameter (a 7B model, "
-            "15 GB, fits one 24 GB GPU), so ranks hold all of it (plain DDP); sharding it beside fp32 adapters "
-            "is untested here"
+            "--lora-rank with --fsdp is not built: LoRA's frozen bf16 base is 2 bytes a parameter "
+            "(a 7B model, 15 GB, fits one 24 GB GPU), so ranks hold all of it (plain DDP); "
+            "sharding it beside fp32 adapters is untested here"
         )
     try:
         lora.parse_targets(cfg.lora_targets)
@@ -289,9 +289,8 @@ def check_config(cfg, world_size):
         raise ConfigError(str(e)) from None
     if cfg.eval_data and not cfg.data:
         raise ConfigError("--eval-data names the held-out rows of --data: give --data too")
-    load_task(
-        cfg
-    )  # a user's task or reward that cannot be loaded stops the run here, before any data or model
+    # a user's task or reward that cannot be loaded stops the run here, before any data or model
+    load_task(cfg)
 
 
 def check_objective(cfg):
@@ -315,8 +314,8 @@ def check_objective(cfg):
 
 
 def load_task(cfg):
-    """The task --task names, with the generic task's options; what cannot be loaded is a ConfigError, before any data
-    or model is touched."""
+    """The task --task names, with the generic task's options; what cannot be loaded is a
+    ConfigError, before any data or model is touched."""
     if cfg.task == "data" and not cfg.data:
         raise ConfigError(
             "--task=data trains on your own rows: name them with --data=<file, folder or hub id>"
@@ -332,11 +331,13 @@ def load_task(cfg):
 
 
 def check_model_path(model):
-    """--model names a Hugging Face folder, a PEFT LoRA folder, "demo_model" or a hub id: a file, a run's folder or a
-    folder without a config.json (or adapter_config.json) is refused with what to give instead."""
+    """--model names a Hugging Face folder, a PEFT LoRA folder, "demo_model" or a hub id: a file,
+    a run's folder or a folder without a config.json (or adapter_config.json) is refused with what
+    to give instead."""
     if os.path.isfile(model):
         raise ConfigError(
-            f"--model={model!r} is a file: give the folder that holds its config.json and safetensors"
+            f"--model={model!r} is a file: "
+            f"give the folder that holds its config.json and safetensors"
         )
     if os.path.isdir(model) and not any(
         os.path.exists(os.path.join(model, f)) for f in ("config.json", "adapter_config.json")
@@ -348,8 +349,8 @@ def check_model_path(model):
         )
         if steps:
             raise ConfigError(
-                f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, the latest "
-                f"{os.path.join(model, steps[-1])}"
+                f"--model={model!r} is a run's folder: its checkpoints are its step_* folders, "
+                f"the latest {os.path.join(model, steps[-1])}"
             )
         raise ConfigError(
             f"--model={model!r} holds no config.json: not a Hugging Face model folder"
@@ -362,7 +363,7 @@ def check_model_path(model):
 
 
 def _looks_like_hub_id(name):
-    """Org/Name in the hub's characters, where Org is not a folder here: my_models/qwen with my_models/
-    present is a path with a typo in it, not a model to look for on the network."""
+    """Org/Name in the hub's characters, where Org is not a folder here: my_models/qwen with
+    my_models/ present is a path with a typo in it, not a model to look for on the network."""
     hub_shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
     return hub_shaped and not os.path.isdir(name.split("/")[0])

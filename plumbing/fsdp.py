@@ -1,16 +1,16 @@
 """
---fsdp: the policy sharded across ranks with FSDP2 (torch.distributed.fsdp.fully_shard), and what the
-rest of chat_rl needs from a sharded model.
+--fsdp: the policy sharded across ranks with FSDP2 (torch.distributed.fsdp.fully_shard), and what
+the rest of chat_rl needs from a sharded model.
 
-Without it every rank holds the whole model: fp32 weights, gradients and both AdamW moments, 16 bytes
-a parameter. fully_shard cuts each of those tensors along dim 0 into one piece per rank, 16/N bytes a
-parameter on each of N ranks. A decoder layer's full weights exist only while it computes: each
-layer is its own unit, all-gathered before its forward (and again before its backward) and freed
-after; the root unit (embeddings, final norm, head) stays gathered from its forward to its backward.
-Gradients are reduce-scattered as they are made, so each rank keeps only its shard of them, and
-AdamW, stepping on sharded parameters, keeps only its shard of the moments. On CUDA the weights are
-all-gathered in bf16 and the layers compute in bf16 (MixedPrecisionPolicy); the shards, the
-gradient sums and AdamW stay fp32.
+Without it every rank holds the whole model: fp32 weights, gradients and both AdamW moments, 16
+bytes a parameter. fully_shard cuts each of those tensors along dim 0 into one piece per rank, 16/N
+bytes a parameter on each of N ranks. A decoder layer's full weights exist only while it
+computes: each layer is its own unit, all-gathered before its forward (and again before its
+backward) and freed after; the root unit (embeddings, final norm, head) stays gathered from its
+forward to its backward. Gradients are reduce-scattered as they are made, so each rank keeps only
+its shard of them, and AdamW, stepping on sharded parameters, keeps only its shard of the
+moments. On CUDA the weights are all-gathered in bf16 and the layers compute in bf16
+(MixedPrecisionPolicy); the shards, the gradient sums and AdamW stay fp32.
 
 What stays as it is: the loss, its step-level normaliser, the skipped groups, the collectives of
 chat_rl.py, and the checkpoint folder (a Hugging Face folder of full fp32 weights). What this file
@@ -53,10 +53,11 @@ from policy.hf_folder import write_config
 
 
 def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
-    """The policy as the run trains it: whole on `device`, or sharded over the ranks (fsdp=True; the model
-    comes in on the CPU and each unit moves to `device` as it is sharded). activation_checkpointing:
-    recompute each decoder layer in the backward pass (gpt.GPT.forward). dtype: what a sharded model
-    gathers its weights in and computes in (None: distributed.compute_dtype, bf16 on CUDA)."""
+    """The policy as the run trains it: whole on `device`, or sharded over the ranks (fsdp=True;
+    the model comes in on the CPU and each unit moves to `device` as it is sharded).
+    activation_checkpointing: recompute each decoder layer in the backward pass
+    (gpt.GPT.forward). dtype: what a sharded model gathers its weights in and computes in (None:
+    distributed.compute_dtype, bf16 on CUDA)."""
     model.checkpoint_layers = activation_checkpointing
     if not fsdp:
         return model.to(device)
@@ -73,15 +74,18 @@ def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
         )
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    # the root holds what is left (embeddings, final norm, head: the tied head shares embed_tokens' shard);
-    # it is needed again first thing in the backward pass, so it is not freed after the forward
+    # the root holds what is left (embeddings, final norm, head: the tied head shares
+    # embed_tokens' shard); it is needed again first thing in the backward pass, so it is not
+    # freed after the forward
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    # fast_logprobs calls hidden_states, not forward: FSDP gathers the root's weights (and sets itself up) for it too
+    # fast_logprobs calls hidden_states, not forward: FSDP gathers the root's weights (and
+    # sets itself up) for it too
     register_fsdp_forward_method(model, "hidden_states")
     for unit in units(model):
-        # chat_rl's loss is already divided by the step's global normaliser, so the step's gradient is the
-        # SUM of the ranks' gradients (sync_gradients without FSDP), not FSDP's default mean over ranks;
-        # a plain SUM collective (gloo has no pre-multiplied sum), then a division by 1.0, which is exact
+        # chat_rl's loss is already divided by the step's global normaliser, so the step's gradient
+        # is the SUM of the ranks' gradients (sync_gradients without FSDP), not FSDP's default mean
+        # over ranks; a plain SUM collective (gloo has no pre-multiplied sum), then a division by
+        # 1.0, which is exact
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     return model
@@ -94,9 +98,9 @@ def units(model):
 
 @contextmanager
 def gathered(model):
-    """Full weights on every rank for the whole block (a rollout, an eval), gathered once on entry and freed
-    on exit. Inside, forwards all-gather nothing, so ranks may run different numbers of them (their rows
-    stop at different tokens). A no-op for a model that is not sharded."""
+    """Full weights on every rank for the whole block (a rollout, an eval), gathered once on entry
+    and freed on exit. Inside, forwards all-gather nothing, so ranks may run different numbers of
+    them (their rows stop at different tokens). A no-op for a model that is not sharded."""
     if not is_sharded(model):
         yield
         return
@@ -108,17 +112,17 @@ def gathered(model):
     finally:
         for unit in units(model):
             unit.reshard()
-            unit.set_reshard_after_forward(
-                unit is not model, recurse=False
-            )  # as prepare() set them
+            # as prepare() set them
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
 def match_passes(model, passes, logprobs, device):
-    """Under FSDP every forward/backward pass is collective (each layer's weights all-gathered, its gradients
-    reduce-scattered), so every rank must run as many as the busiest one. Called on every rank before its `passes`
-    (the count is one all-reduce, which must not meet another rank's pass): the passes this rank has fewer run
-    here, through the same `logprobs` as its real ones (the same collectives in the same order) over one token
-    that is no target, which adds exactly 0 to every gradient. Nothing to do without FSDP."""
+    """Under FSDP every forward/backward pass is collective (each layer's weights all-gathered, its
+    gradients reduce-scattered), so every rank must run as many as the busiest one. Called on every
+    rank before its `passes` (the count is one all-reduce, which must not meet another rank's
+    pass): the passes this rank has fewer run here, through the same `logprobs` as its real ones
+    (the same collectives in the same order) over one token that is no target, which adds exactly 0
+    to every gradient. Nothing to do without FSDP."""
     if not is_sharded(model):
         return
     most = torch.tensor(passes, device=device)
@@ -134,7 +138,8 @@ def match_passes(model, passes, logprobs, device):
 
 
 def state_bytes(model, optimizer):
-    """Bytes this rank holds of weights, gradients and optimizer state: its local shards under FSDP."""
+    """Bytes this rank holds of weights, gradients and optimizer state: its local shards
+    under FSDP."""
     tensors = [
         *model.parameters(),
         *(p.grad for p in model.parameters() if p.grad is not None),
@@ -144,19 +149,19 @@ def state_bytes(model, optimizer):
     return sum(t.numel() * t.element_size() for t in local)
 
 
-# ---- checkpoints of a sharded model ------------------------------------------------------------------
+# ---- checkpoints of a sharded model -------------------------------------------------------------
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def save_weights(model, path, rank):
-    """model.safetensors + config.json in `path`, as gpt.GPT.save_pretrained writes them, from a sharded model.
-    Every rank calls this: each parameter is all-gathered on its own (a fused Linear's once for its parts),
-    written by rank 0 and freed, so no rank ever holds a second whole model. The file is the safetensors layout written by hand: 8 bytes of
-    header length, a JSON header (name -> dtype, shape, byte range), then the tensors' bytes in that order."""
+    """model.safetensors + config.json in `path`, as gpt.GPT.save_pretrained writes them, from a
+    sharded model. Every rank calls this: each parameter is all-gathered on its own (a fused
+    Linear's once for its parts), written by rank 0 and freed, so no rank ever holds a second whole
+    model. The file is the safetensors layout written by hand: 8 bytes of header length, a JSON
+    header (name -> dtype, shape, byte range), then the tensors' bytes in that order."""
     state = model.state_dict()  # the model's names (fully_shard keeps them) -> DTensor shards
-    layout = (
-        model.hf_layout()
-    )  # the checkpoint's tensors, in its order: fused Linears split into their parts
+    # the checkpoint's tensors, in its order: fused Linears split into their parts
+    layout = model.hf_layout()
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, own, rows in layout:
         t = state[own]
@@ -175,17 +180,16 @@ def save_weights(model, path, rank):
     try:
         if f:
             f.write(struct.pack("<Q", len(head)) + head)
-        full = {}  # the gathered parameters whose parts are not all written yet: one module's at most
+        # the gathered parameters whose parts are not all written yet: one module's at most
+        full = {}
         for i, (name, own, rows) in enumerate(layout):
             if own not in full:
-                full[own] = state[
-                    own
-                ].full_tensor()  # an all-gather: every rank, the same tensors in the same order
+                # an all-gather: every rank, the same tensors in the same order
+                full[own] = state[own].full_tensor()
             if f:
                 piece = full[own] if rows is None else full[own][rows]
-                f.write(
-                    piece.detach().cpu().contiguous().view(torch.uint8).numpy()
-                )  # little-endian, as safetensors
+                # little-endian, as safetensors
+                f.write(piece.detach().cpu().contiguous().view(torch.uint8).numpy())
             if last_use[own] == i:
                 del full[own]
     finally:
@@ -196,11 +200,12 @@ def save_weights(model, path, rank):
 
 
 def save_optimizer(model, optimizer, path):
-    """What trainer_state.pt keeps of the optimizer; every rank calls this. A replicated model's whole state
-    dict; for a sharded one None, each rank having written its shard into the folder `path`
-    (torch.distributed.checkpoint: a file per rank plus .metadata, which says how the shards make the
-    whole tensors). Before the first update AdamW has no state to shard: its empty state dict is kept
-    (get_optimizer_state_dict would create one by a zero-lr step, one AdamW step too many)."""
+    """What trainer_state.pt keeps of the optimizer; every rank calls this. A replicated model's
+    whole state dict; for a sharded one None, each rank having written its shard into the folder
+    `path` (torch.distributed.checkpoint: a file per rank plus .metadata, which says how the shards
+    make the whole tensors). Before the first update AdamW has no state to shard: its empty
+    state dict is kept (get_optimizer_state_dict would create one by a zero-lr step, one AdamW
+    step too many)."""
     if not is_sharded(model) or not optimizer.state:
         return optimizer.state_dict()
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path)
@@ -215,12 +220,10 @@ def restore_optimizer(model, optimizer, saved, path):
         return  # saved before the first update: AdamW creates its state at its first step, as here
     if saved is not None and not is_sharded(model):
         optimizer.load_state_dict(saved)
-    elif (
-        saved is not None
-    ):  # a replicated run's state into shards: each rank keeps its part of every tensor
-        names = [
-            name for name, _ in model.named_parameters()
-        ]  # optimizer.state_dict() numbers them in this order
+    elif saved is not None:
+        # a replicated run's state into shards: each rank keeps its part of every tensor;
+        # optimizer.state_dict() numbers the parameters in the order of named_parameters()
+        names = [name for name, _ in model.named_parameters()]
         by_name = {
             "state": {names[i]: s for i, s in saved["state"].items()},
             "param_groups": [
@@ -231,8 +234,7 @@ def restore_optimizer(model, optimizer, saved, path):
             model, optimizer, by_name, options=StateDictOptions(full_state_dict=True)
         )
     else:  # shards into this run's layout, sharded or whole: dcp.load fills the tensors it is given
-        state = get_optimizer_state_dict(
-            model, optimizer
-        )  # the layout to fill (it creates AdamW's state)
+        # the layout to fill (it creates AdamW's state)
+        state = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, state)

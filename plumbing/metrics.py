@@ -44,9 +44,8 @@ def step_metrics(step, out, t_rollout, device, world, **values):
         "step": step,
         **{name: sums[name] / sums["completions"] for name in MEANS},
         **values,
-        "reward_errors": int(
-            sums["reward_errors"]
-        ),  # completions whose reward raised or was not a number: scored 0
+        # completions whose reward raised or was not a number: scored 0
+        "reward_errors": int(sums["reward_errors"]),
         # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
         "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world),
     }
@@ -79,16 +78,17 @@ def peak_memory_gb(device):
 
 
 def console_line(row, num_steps, last_pass1, eta_s, tool=False):
-    """One line a step: pass@1 of the last eval, if there has been one; with the tool on, the share of
-    completions that called it."""
+    """One line a step: pass@1 of the last eval, if there has been one; with the tool on, the share
+    of completions that called it."""
+    # last_pass1 is nan before the first eval, or with evals off
+    pass1 = f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else ""
     return (
         f"step {row['step']}/{num_steps} | reward {row['reward']:.3f} | "
-        + (
-            f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else ""
-        )  # nan: no eval yet (or evals off)
+        + pass1
         + (f"tool {row['tool_use']:.2f} | " if tool else "")
         + (f"reward errors {row['reward_errors']} | " if row.get("reward_errors") else "")
-        + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | {row['rollout_tokens_per_s']:.0f} tok/s | "
+        + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | "
+        f"{row['rollout_tokens_per_s']:.0f} tok/s | "
         f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min"
     )
 
@@ -101,8 +101,8 @@ def eval_line(step, metrics):
 
 
 def start_line(cfg, model, world, device, start_step, num_steps, resumed):
-    """The run's first words: what trains where (a LoRA run: how many of the parameters), from which step to which,
-    and where it writes."""
+    """The run's first words: what trains where (a LoRA run: how many of the parameters), from
+    which step to which, and where it writes."""
     steps = "eval only" if cfg.eval_only else f"{start_step}->{num_steps}"
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = f"{model.num_params() / 1e6:.1f}M params" + (
@@ -130,16 +130,19 @@ def reward_errors_line(counts):
 
 
 def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
-    """The run's last words: where its checkpoint is, and the command that goes on from it. A stopped
-    run continues under the same flags (the checkpoint checks them, it does not supply them); a finished
-    one cannot be lengthened (its learning rate has decayed to 0), only be the start of a new run.
-    evaluated: the model an --eval-only run evaluated, which writes no checkpoint. stopped: by a
-    signal, maybe in its final eval (step == num_steps), or in step 0 (which saves nothing: with
-    --resume, the run starts afresh)."""
+    """The run's last words: where its checkpoint is, and the command that goes on from it. A
+    stopped run continues under the same flags (the checkpoint checks them, it does not supply
+    them); a finished one cannot be lengthened (its learning rate has decayed to 0), only be the
+    start of a new run. evaluated: the model an --eval-only run evaluated, which writes no
+    checkpoint. stopped: by a signal, maybe in its final eval (step == num_steps), or in step 0
+    (which saves nothing: with --resume, the run starts afresh)."""
     if evaluated:
         if stopped:
             return f"stopped after {minutes:.1f} min, before the eval of {evaluated} ended: no row"
-        return f"evaluated {evaluated} in {minutes:.1f} min: the eval row is in {out_dir}/metrics.jsonl"
+        return (
+            f"evaluated {evaluated} in {minutes:.1f} min: "
+            f"the eval row is in {out_dir}/metrics.jsonl"
+        )
     path = os.path.join(out_dir, f"step_{step:06d}")
     if stopped or step < num_steps:
         saved = f"checkpoint in {path}" if step > 0 else "no step had finished, so no checkpoint"
@@ -149,7 +152,8 @@ def stop_line(step, num_steps, minutes, out_dir, evaluated="", stopped=False):
         )
     return (
         f"done at step {step}/{num_steps} after {minutes:.1f} min; checkpoint in {path}\n"
-        f"to train on: the same command with --model={path} and a new --out-dir (the learning rate starts again from its peak)"
+        f"to train on: the same command with --model={path} and a new --out-dir "
+        f"(the learning rate starts again from its peak)"
     )
 
 
@@ -201,16 +205,19 @@ def all_rewards_failed(errors, device):
 
 
 def check_nonfinite(finite, kept_tokens, in_row, max_in_row, step, print0):
-    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed step); a finite
-    update resets the count, a step with nothing kept (no update) leaves it; max_in_row in a row stop the run."""
+    """Count non-finite updates in a row (the same on every rank: loss and norm are of the summed
+    step); a finite update resets the count, a step with nothing kept (no update) leaves it;
+    max_in_row in a row stop the run."""
     if finite:
         return 0 if kept_tokens > 0 else in_row
     print0(f"step {step}: non-finite loss/gradient, update skipped ({in_row + 1} in a row)")
     if in_row + 1 >= max_in_row:
+        # loss and norm are of the step summed over ranks: every rank stops here
         raise RunError(
-            f"{in_row + 1} non-finite updates in a row at step {step}; lower --lr or check the model's dtype",
+            f"{in_row + 1} non-finite updates in a row at step {step}; "
+            f"lower --lr or check the model's dtype",
             every_rank=True,
-        )  # loss and norm are of the step summed over ranks: every rank stops here
+        )
     return in_row + 1
 
 
@@ -224,8 +231,9 @@ def _json_number(v):
 
 
 class MetricsLog:
-    """metrics.jsonl and samples.jsonl, written by rank 0, one JSON object a line, flushed as it goes.
-    On resume from step s, rows of step >= s (written after that checkpoint) are dropped: they are redone."""
+    """metrics.jsonl and samples.jsonl, written by rank 0, one JSON object a line, flushed as it
+    goes. On resume from step s, rows of step >= s (written after that checkpoint) are dropped:
+    they are redone."""
 
     def __init__(self, out_dir, rank, keep_below_step=0, wandb_project="", config=None):
         self.enabled = rank == 0
@@ -236,9 +244,8 @@ class MetricsLog:
         os.makedirs(out_dir, exist_ok=True)
         for name in ("metrics", "samples"):
             path = os.path.join(out_dir, f"{name}.jsonl")
-            if (
-                keep_below_step
-            ):  # rewrite under a temporary name: a kill now must not lose the history
+            if keep_below_step:
+                # rewrite under a temporary name: a kill now must not lose the history
                 kept = _rows_below(path, keep_below_step)
                 with open(path + ".tmp", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -253,9 +260,8 @@ class MetricsLog:
 
             import wandb  # optional dependency, only when asked for
 
-            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[
-                :12
-            ]  # a resumed run continues its W&B run
+            # a resumed run continues its W&B run
+            run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:12]
             self.wandb = wandb.init(project=wandb_project, config=config, id=run_id, resume="allow")
 
     def write(self, row, samples=()):

@@ -60,8 +60,8 @@ TEST_FRACTION = 0.2  # share of the number space reserved for the test split
 
 
 def _problem(kind, nums, name, thing, slip_at=-1, delta=0, tool=False):
-    """(question, solution lines, answer). The step numbered slip_at gets `delta` added to its result.
-    tool: each step written as a calculator call, `<<4*5=20>>`, whose result the engine forces."""
+    """(question, solution lines, answer). The step numbered slip_at gets `delta` added to its
+    result. tool: each step a calculator call, `<<4*5=20>>`, whose result the engine forces."""
     steps = []
 
     def step(x, op, y):
@@ -73,20 +73,32 @@ def _problem(kind, nums, name, thing, slip_at=-1, delta=0, tool=False):
 
     if kind == 0:
         a, b, c, d = nums
-        q = f"{name} has {a} {thing}, buys {b} boxes of {c} {thing} and gives away {d}. How many {thing} now?"
+        q = (
+            f"{name} has {a} {thing}, buys {b} boxes of {c} {thing} and gives away {d}. "
+            f"How many {thing} now?"
+        )
         answer = step(step(a, "+", step(b, "*", c)), "-", d)
     elif kind == 1:
         n, p, bill = nums
-        q = f"{thing.capitalize()} cost ${p} each. {name} buys {n} and pays ${bill}. What is the change?"
+        q = (
+            f"{thing.capitalize()} cost ${p} each. {name} buys {n} and pays ${bill}. "
+            f"What is the change?"
+        )
         answer = step(bill, "-", step(n, "*", p))
     elif kind == 2:
         a, b, k = nums
-        q = f"{name} reads {a} pages on Monday, {b} on Tuesday and {k} times Monday's pages on Wednesday. How many pages in all?"
+        q = (
+            f"{name} reads {a} pages on Monday, {b} on Tuesday and {k} times Monday's pages "
+            f"on Wednesday. How many pages in all?"
+        )
         wed = step(k, "*", a)
         answer = step(step(a, "+", b), "+", wed)
     else:
         g, s, m, t = nums
-        q = f"{g} groups of {s} kids meet. {m} kids leave and the rest form {t} equal teams. How many kids per team?"
+        q = (
+            f"{g} groups of {s} kids meet. {m} kids leave and the rest form {t} equal teams. "
+            f"How many kids per team?"
+        )
         answer = step(step(step(g, "*", s), "-", m), "/", t)
     return q, steps, answer
 
@@ -113,7 +125,7 @@ def _split_of(kind, nums):
 
 
 def load(split, limit=None, seed=0):
-    """`limit` problems (default 20000 train / 500 test) of one split, the same for the same seed."""
+    """`limit` problems of one split (default 20000 train / 500 test), fixed by the seed."""
     if split not in ("train", "test"):
         raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
     n = limit or (20000 if split == "train" else 500)
@@ -161,7 +173,9 @@ def solution(row):
 def solution_with_slip(row, rng):
     """The worked solution with one step's result off by 1-3 (never 0), carried to the end."""
     num_steps = row["answer"].count("\n")
-    while True:  # a slip swallowed by a later step (13//5 == 12//5) would teach a wrong line with a right answer
+    # a slip swallowed by a later step (13//5 == 12//5) would teach a wrong line with a right
+    # answer: draw again until the final answer is wrong
+    while True:
         delta = rng.choice([-3, -2, -1, 1, 2, 3])
         _, steps, answer = _problem(
             row["kind"],
@@ -176,8 +190,8 @@ def solution_with_slip(row, rng):
 
 
 def solution_with_tool(row):
-    """The worked solution with every step a calculator call (`<<4*5=20>>`), in GSM8K's annotation syntax:
-    the engine forces each result, so a solution written this way cannot slip."""
+    """The worked solution with every step a calculator call (`<<4*5=20>>`, GSM8K's annotation
+    syntax): the engine forces each result, so a solution written this way cannot slip."""
     _, steps, answer = _problem(
         row["kind"], tuple(row["nums"]), row["name"], row["thing"], tool=True
     )

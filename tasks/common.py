@@ -1,8 +1,8 @@
 """
-What a task is: where its problems come from, how one becomes a prompt, and how a completion is scored.
+What a task is: where its problems come from, how one becomes a prompt, how a completion is scored.
 
 A task is a module with these names (a module, not a class: one obvious home):
-    load(split, limit=None) -> list[dict]  rows in the data set's own schema; split is "train" or "test"
+    load(split, limit=None) -> list[dict]  rows of "train" or "test", in the data set's own schema
     prompt(row) -> str                      the user message the policy sees
     reference(row) -> str                   the row's final answer, as a string
     extract_answer(completion) -> str|None  the answer the completion commits to
@@ -11,9 +11,9 @@ A task is a module with these names (a module, not a class: one obvious home):
 Optional: solution(row) -> str, a worked solution ending in the answer (supervised warm-up);
 score(completion, row) -> float, a reward that replaces grade's 0/1 and sees the whole row.
 
---task names a built-in task (TASKS), the generic task over a user's own rows ("data", tasks/generic.py), a
-module on the import path (my_pkg.my_task) or a file (path/to/my_task.py) with the names above. `get_task`
-imports lazily, so `--task=arith` never imports `datasets`.
+--task names a built-in task (TASKS), the generic task over a user's own rows ("data",
+tasks/generic.py), a module on the import path (my_pkg.my_task) or a file (path/to/my_task.py)
+with the names above. `get_task` imports lazily, so `--task=arith` never imports `datasets`.
 """
 
 import copy
@@ -42,34 +42,35 @@ INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_o
 
 
 def get_task(name):
-    """The task --task names, built-in or a user's module or file, checked for the interface: anything missing is a
-    ValueError naming it. (The generic task, "data", is made from its flags: tasks/generic.make.)"""
+    """The task --task names, built-in or a user's module or file, checked for the interface:
+    anything missing is a ValueError naming it. (The generic task, "data", is made from its flags:
+    tasks/generic.make.)"""
     if name in TASKS:
         return importlib.import_module(TASKS[name])
     if not (name.endswith(".py") or "/" in name or "." in name):
         raise ValueError(
-            f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, a module my_pkg.my_task "
-            "or a file path/to/my_task.py)"
+            f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, "
+            "a module my_pkg.my_task or a file path/to/my_task.py)"
         )
     task = import_user_code(name)
     missing = [f for f in INTERFACE if not callable(getattr(task, f, None))]
     if missing:
         raise ValueError(
-            f"task {name} has no function {', '.join(missing)}: a task defines {', '.join(INTERFACE)} "
-            f"(tasks/common.py)"
+            f"task {name} has no function {', '.join(missing)}: "
+            f"a task defines {', '.join(INTERFACE)} (tasks/common.py)"
         )
     return task
 
 
 def import_user_code(name):
-    """A module by file path (ends in .py or holds a /) or by dotted name; a ValueError in one line if it cannot be."""
+    """A module by file path (ends in .py or holds a /) or by dotted name; a ValueError in one
+    line if it cannot be."""
     try:
         if name.endswith(".py") or "/" in name:
             if not os.path.isfile(name):
                 raise ValueError(f"no such file {name!r}")
-            module_name = "user_code." + os.path.abspath(
-                name
-            )  # once per file: checking the flags imported it already
+            # once per file: checking the flags imported it already
+            module_name = "user_code." + os.path.abspath(name)
             if module_name not in sys.modules:
                 spec = importlib.util.spec_from_file_location(module_name, name)
                 module = importlib.util.module_from_spec(spec)
@@ -108,8 +109,8 @@ def user_function(spec):
 
 
 def conversation(task, row, with_solution=False, system_prompt=""):
-    """A row as a chat conversation: a system turn if system_prompt, the user's, and with_solution the worked
-    solution as the assistant turn."""
+    """A row as a chat conversation: a system turn if system_prompt, the user's, and with_solution
+    the worked solution as the assistant turn."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": task.prompt(row)})
     if with_solution:
@@ -120,7 +121,8 @@ def conversation(task, row, with_solution=False, system_prompt=""):
 def rewards(task, completion, reference, format_weight=0.0, row=None):
     """
     The reward terms of one completion; the rules themselves live in each task module:
-        answer = 1 if task.grade accepts the final answer else 0 (or task.score(completion, row): any number)
+        answer = 1 if task.grade accepts the final answer else 0
+                 (or task.score(completion, row): any number)
         format = 1 if task.format_ok: the answer given once, in the required form, at the end else 0
         total  = answer + format_weight * format
     format_weight (--format-weight) defaults to 0, nanochat's pure answer reward: a format bonus is
@@ -129,9 +131,9 @@ def rewards(task, completion, reference, format_weight=0.0, row=None):
     > garbage (0); at w >= 1 a well-formed wrong answer would tie or beat a sloppy right one.
     Hedging, repeating the answer or spamming boxes never beats an honest correct answer: the
     verifier binds one answer (GSM8K: the first '#### <number>', MATH: the last box) and format
-    is only paid for a single one. A task's code that raises, or a score that is not a finite number,
-    scores 0 and carries "error", one line (failure()); the built-in verifiers never raise, a user's
-    reward may. Returns a dict of floats.
+    is only paid for a single one. A task's code that raises, or a score that is not a finite
+    number, scores 0 and carries "error", one line (failure()); the built-in verifiers never
+    raise, a user's reward may. Returns a dict of floats.
     """
     try:
         if hasattr(task, "score"):

@@ -4,13 +4,16 @@ The generic task (--task=data): a user's own rows and reward, with no code edite
 Rows come from --data (plumbing/data.py reads files and hub data sets), in any schema:
     prompt(row)    = row[prompt_column], then a blank line and `instruction` if one is given
     reference(row) = the answer column, as the verifier reads it:
-        gsm8k  the number after "####", or the whole cell if it is a bare number ("72", 72, "1,000", "-2.5")
-        math   the last \boxed{} of the cell if it has one, else the whole cell; graded by \boxed{} equivalence
+        gsm8k  the number after "####", or the whole cell if it is a bare number ("72", 72,
+               "1,000", "-2.5")
+        math   the last \boxed{} of the cell if it has one, else the whole cell; graded by
+               \boxed{} equivalence
         exact  the stripped cell; a completion is right if, stripped, it is that string
-    reward         a user's function(completion: str, row: dict) -> float replaces the verifier's 0/1: the row
-                   holds every column, so a reward can use metadata. common.rewards counts what it raises or
-                   returns that is not a finite number as an error scoring 0 (docs/rewards.md:
-                   the promises, each held by tests/test_user_reward.py).
+    reward         a user's function(completion: str, row: dict) -> float replaces the verifier's
+                   0/1: the row holds every column, so a reward can use metadata. common.rewards
+                   counts what it raises or returns that is not a finite number as an error
+                   scoring 0 (docs/rewards.md: the promises, each held by
+                   tests/test_user_reward.py).
 """
 
 import re
@@ -46,17 +49,18 @@ def exact_grade(completion, reference):
 def make(
     prompt_column="question", answer_column="answer", instruction="", verifier="gsm8k", reward=""
 ):
-    """The task over rows of these columns, graded by `verifier`, or scored by `reward` ('file.py:function')."""
+    """The task over rows of these columns, graded by `verifier`, or scored by `reward`
+    ('file.py:function')."""
     if verifier not in VERIFIERS:
         raise ValueError(f"unknown --verifier {verifier!r} ({' | '.join(VERIFIERS)})")
-    to_reference = {"gsm8k": gsm8k_reference, "math": math_reference, "exact": exact_reference}[
-        verifier
-    ]
+    references = {"gsm8k": gsm8k_reference, "math": math_reference, "exact": exact_reference}
+    to_reference = references[verifier]
     rules = {"gsm8k": gsm8k, "math": mathtask}.get(verifier)
     task = SimpleNamespace(
         name="data",
         prompt=lambda row: str(row[prompt_column]) + (f"\n\n{instruction}" if instruction else ""),
-        # with a reward of its own, the answer column is the reward's to read: shown in samples.jsonl as it is
+        # with a reward of its own, the answer column is the reward's to read: shown in
+        # samples.jsonl as it is
         reference=(lambda row: str(row[answer_column]))
         if reward
         else (lambda row: to_reference(row[answer_column])),

@@ -35,7 +35,8 @@ INSTRUCTION = (
 
 
 def load(split, limit=None):
-    """The train (7473) or test (1319) split through HF `datasets`, imported here so other tasks never pay for it."""
+    """The train (7473) or test (1319) split through HF `datasets`, imported here so other tasks
+    never pay for it."""
     if split not in ("train", "test"):
         raise ValueError(f"gsm8k has splits 'train' and 'test', not {split!r}")
     use_cache_if_hub_unreachable()
@@ -61,8 +62,9 @@ def reference(row):
 
 
 def solution(row):
-    # the data set's own text, calculator annotations (<<48/2=24>>) kept: a supervised warm-up on it teaches
-    # the syntax the engine's tool answers (--tool=calculator), and its forced results are what follows the '='
+    # the data set's own text, calculator annotations (<<48/2=24>>) kept: a supervised warm-up on
+    # it teaches the syntax the engine's tool answers (--tool=calculator), and its forced results
+    # are what follows the '='
     return row["answer"]
 
 
@@ -70,10 +72,9 @@ def solution(row):
 # The verifier (rules and examples in the module docstring). Plain string code: no eval, no
 # sympy, linear scans, so it is bounded on any input and safe in any thread.
 MARKER_RE = re.compile(r"####")
-# after the marker: blanks and decoration ($, \$, **), a sign, maybe a $, then digits
-LEAD_RE = re.compile(
-    r"(?:[^\S\n]|\*\*|\\?\$)*+([-+\u2212]?)(?:[^\S\n]|\\?\$)*+(?=\.?[0-9])"
-)  # possessive: linear
+# after the marker: blanks and decoration ($, \$, **), a sign, maybe a $, then digits; the
+# quantifiers are possessive (*+), so the match is linear
+LEAD_RE = re.compile(r"(?:[^\S\n]|\*\*|\\?\$)*+([-+\u2212]?)(?:[^\S\n]|\\?\$)*+(?=\.?[0-9])")
 BODY_RE = re.compile(r"[0-9](?:[0-9,]*[0-9])?(?:\.[0-9]+)?|\.[0-9]+")
 GROUPED_RE = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 FORMAT_RE = re.compile(r"####[ \t]*-?[0-9]+(?:\.[0-9]+)?")
@@ -88,7 +89,7 @@ def _parse_body(body):
 
 
 def _bound_number(text):
-    """The value bound by the first '####' that is followed by a number (None if malformed or absent)."""
+    """The value bound by the first '####' followed by a number (None if malformed or absent)."""
     for marker in MARKER_RE.finditer(text):
         lead = LEAD_RE.match(text, marker.end())
         if not lead:
@@ -139,5 +140,5 @@ def format_ok(completion):
         bool(lines)
         and completion.count("####") == 1
         and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
-        and _bound_number(lines[-1]) is not None
-    )  # and not too long to be a number
+        and _bound_number(lines[-1]) is not None  # and not too long to be a number
+    )

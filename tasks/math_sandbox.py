@@ -42,7 +42,8 @@ MAX_DIGITS = 10_000  # refuse to evaluate anything whose exact value has more di
 
 
 def equal(p, r):
-    """Math-Verify's verdict on two normalised answers, bounded in time and memory from any thread."""
+    """Math-Verify's verdict on two normalised answers: bounded in time and memory, and safe
+    from any thread."""
     return _ask_worker(p, r) if USE_WORKER else sympy_equal(p, r)
 
 
@@ -73,9 +74,8 @@ def _sympy_tools():
     from latex2sympy2_extended.math_normalization import NormalizationConfig, normalize_latex
     from math_verify.grader import should_treat_as_complex, verify
 
-    logging.getLogger("math_verify").setLevel(
-        logging.ERROR
-    )  # it warns that we disabled its timeouts
+    # it warns that we disabled its timeouts
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     l2s._Latex2Sympy.parse_number = lambda self, text: _exact_number(text)
     l2s.convert_number = _exact_number
     config = NormalizationConfig(
@@ -113,9 +113,8 @@ def _digits(e, budget):
     args = list(e) if isinstance(e, sympy.MatrixBase) else getattr(e, "args", ())
     if isinstance(e, (sympy.Pow, sympy.factorial, sympy.binomial)):
         power = isinstance(e, sympy.Pow)
-        top = (
-            _size(args[1], budget) if power else _digits(args[0], budget)
-        )  # the exponent, or n in n! and C(n, k)
+        # the exponent, or n in n! and C(n, k)
+        top = _size(args[1], budget) if power else _digits(args[0], budget)
         if top > 6:
             return math.inf
         base = _digits(args[0], budget) if power else top
@@ -186,9 +185,8 @@ def _serve():
         if armed[0]:
             raise _OverBudget()
 
-    signal.signal(
-        signal.SIGPROF, over_budget
-    )  # CPU time, not wall time: verdicts do not depend on load
+    # CPU time, not wall time: verdicts do not depend on load
+    signal.signal(signal.SIGPROF, over_budget)
     sympy_equal(r"\frac{x^2-1}{x+1}", "x-1")  # pay imports and caches before the first budget
     os.write(1, b"ready\n")
     for line in sys.stdin.buffer:
@@ -236,7 +234,8 @@ def _kill_worker():
 def _start_worker():
     # the worker loads this file by path, not as tasks.math_sandbox, so it starts from any cwd
     boot = (
-        "import importlib.util as u, sys; s = u.spec_from_file_location('_math_sandbox_worker', sys.argv[1]); "
+        "import importlib.util as u, sys; "
+        "s = u.spec_from_file_location('_math_sandbox_worker', sys.argv[1]); "
         "m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()"
     )
     _worker.update(

@@ -98,7 +98,7 @@ def _load_dataset(name, config, split):
 
 
 def load(split, limit=None):
-    """MATH train (7500, subjects interleaved so a limit still covers all) or MATH-500 test (500)."""
+    """MATH train (7500, subjects interleaved: a limit still covers all) or MATH-500 test (500)."""
     if split not in ("train", "test"):
         raise ValueError(f"math has splits 'train' and 'test', not {split!r}")
     use_cache_if_hub_unreachable()
@@ -401,9 +401,8 @@ def count_parts(answer):
     and a number with thousands is one number ("32,349" -> 1)."""
     s = _strip_wrapping_braces(THOUSANDS.sub("0", normalize(answer)))
     if s.startswith("\\{") and s.endswith("\\}"):
-        s = s[
-            2:-2
-        ]  # a set's own braces; "\{1\} \cup \{2\}" is caught below: its depth goes negative
+        # a set's own braces; "\{1\} \cup \{2\}" is caught below: its depth goes negative
+        s = s[2:-2]
     depth, parts = 0, 1
     for c in s:
         if c in "([{":

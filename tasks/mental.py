@@ -1,19 +1,21 @@
 r"""
-Mental arithmetic for a real chat model, offline: "What is 7 + 5?", "What is 9 × 6?", "What is 8 - 3?"
-on the numbers 1 to 10, generated here, so a pretrained model learns with no hub and no internet.
+Mental arithmetic for a real chat model, offline: "What is 7 + 5?", "What is 9 × 6?",
+"What is 8 - 3?" on the numbers 1 to 10, generated here, so a pretrained model learns with no
+hub and no internet.
 
-Why this task: a small chat model (SmolLM2-135M-Instruct) has signal here and almost none on GSM8K. It
-samples the right sum now and then, rambles, and never writes GSM8K's "#### 12" even when asked. RL
-learns only from the samples a model already draws right, so the task must sit where the model is
-sometimes right: on these, one sample in seven at temperature 1 (README, "A real model on a laptop").
+Why this task: a small chat model (SmolLM2-135M-Instruct) has signal here and almost none on
+GSM8K. It samples the right sum now and then, rambles, and never writes GSM8K's "#### 12" even
+when asked. RL learns only from the samples a model already draws right, so the task must sit
+where the model is sometimes right: on these, one sample in seven at temperature 1
+(README, "A real model on a laptop").
 
-The verifier: the reply's last number, read as an exact rational, must equal the answer ("7 + 5 = 12.",
-"The answer is 12", "**12**"), the rule evaluation harnesses use for chat models that answer in their
-own words (lm-evaluation-harness's "flexible-extract"). The last number binds, so a reply that lists
-candidates scores the last of them, and a reply cut off in its ramble scores whatever number it was
-cut after, almost never the answer. format_ok: the reply ends with that number (punctuation and markup
-after it allowed). A problem's split is decided by a hash of the problem itself: no held-out question
-is ever trained on.
+The verifier: the reply's last number, read as an exact rational, must equal the answer
+("7 + 5 = 12.", "The answer is 12", "**12**"), the rule evaluation harnesses use for chat models
+that answer in their own words (lm-evaluation-harness's "flexible-extract"). The last number
+binds, so a reply that lists candidates scores the last of them, and a reply cut off in its
+ramble scores whatever number it was cut after, almost never the answer. format_ok: the reply
+ends with that number (punctuation and markup after it allowed). A problem's split is decided by
+a hash of the problem itself: no held-out question is ever trained on.
 """
 
 import hashlib
@@ -73,7 +75,7 @@ def grade(completion, reference):
 
 
 def format_ok(completion):
-    """The reply ends with its answer: nothing but punctuation, markup and blanks after the last number."""
+    """The reply ends with its answer: only punctuation, markup and blanks after the last number."""
     text = (completion or "")[:MAX_CHARS].replace(",", "")
     last = None
     for last in NUMBER_RE.finditer(text):
