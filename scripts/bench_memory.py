@@ -1,30 +1,34 @@
 """
 Memory of a training micro-batch, with and without --activation-checkpointing.
 
-    python -m scripts.bench_memory                # peak of one forward+backward, 12-layer config, on this CPU
-    python -m scripts.bench_memory --per-token    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 3B / 7B shapes
-    python -m scripts.bench_memory --table        # per-GPU memory: full fine-tuning beside LoRA (--lora-rank=16)
+    # peak of one forward+backward, 12-layer config, on this CPU
+    python -m scripts.bench_memory
+    # activation bytes a token costs, Qwen2.5 0.5B / 1.5B / 3B / 7B shapes
+    python -m scripts.bench_memory --per-token
+    # per-GPU memory: full fine-tuning beside LoRA (--lora-rank=16)
+    python -m scripts.bench_memory --table
 
-Peak (the default): a 12-layer model (width 768, SwiGLU 2048, 12 heads over 4 KV heads, vocabulary
-32768, tied head: 101M parameters) runs one forward+backward of the per-token NLL that chat_rl's loss
-weights, on 8 rows x 512 tokens, every token a target (the most a micro-batch of that size can cost),
-in fp32 on the CPU. Each variant
-runs in a fresh process, since an allocator that has already grown would hide the difference: build
-the model, allocate its gradients, reset the kernel's high-water mark of the process's resident
-memory (write 5 to /proc/self/clear_refs; Linux), run the pass, read VmHWM from /proc/self/status.
-Printed: the high-water mark above what was resident before the pass (the pass's activations and
-temporaries; weights and gradients excluded), the bytes autograd kept for the backward pass,
-counted exactly with saved_tensors_hooks (unique storages, weights excluded), and the pass's seconds
-(one measurement on a shared CPU: indicative only).
+Peak (the default): a 12-layer model (width 768, SwiGLU 2048, 12 heads over 4 KV heads,
+vocabulary 32768, tied head: 101M parameters) runs one forward+backward of the per-token NLL that
+chat_rl's loss weights, on 8 rows x 512 tokens, every token a target (the most a micro-batch of
+that size can cost), in fp32 on the CPU. Each variant runs in a fresh process, since an allocator
+that has already grown would hide the difference: build the model, allocate its gradients, reset
+the kernel's high-water mark of the process's resident memory (write 5 to /proc/self/clear_refs;
+Linux), run the pass, read VmHWM from /proc/self/status. Printed: the high-water mark above what
+was resident before the pass (the pass's activations and temporaries; weights and gradients
+excluded), the bytes autograd kept for the backward pass, counted exactly with
+saved_tensors_hooks (unique storages, weights excluded), and the pass's seconds (one measurement
+on a shared CPU: indicative only).
 
-Per token: what autograd keeps for one decoder layer and for the head (final norm, lm_head, the fp32
-cross-entropy) of each shape, per token, from one row of 256 tokens on the CPU with bf16 weights (what
-FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kernel, keeps O(T) per
-row, not the T x T attention matrix, so the count scales with tokens. The README's memory table is
-built from these figures.
+Per token: what autograd keeps for one decoder layer and for the head (final norm, lm_head, the
+fp32 cross-entropy) of each shape, per token, from one row of 256 tokens on the CPU with bf16
+weights (what FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kernel,
+keeps O(T) per row, not the T x T attention matrix, so the count scales with tokens. The README's
+memory table is built from these figures.
 
-Log-prob pass (a row of scripts/bench_rollout.py's table): the peak of forward + backward of lm_head and
-the log-probs alone, chunked as RL's loss runs them (logprobs.SampledLogprobs) or all logits at once.
+Log-prob pass (a row of scripts/bench_rollout.py's table): the peak of forward + backward of
+lm_head and the log-probs alone, chunked as RL's loss runs them (logprobs.SampledLogprobs) or all
+logits at once.
 """
 
 import argparse
@@ -49,7 +53,7 @@ TWELVE_LAYERS = dict(
     num_key_value_heads=4,
     max_position_embeddings=1024,
 )
-QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 7B}-Instruct's config.json
+QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 3B, 7B}-Instruct's config.json
     "0.5B": dict(
         vocab_size=151936,
         hidden_size=896,
@@ -129,10 +133,9 @@ def peak_worker(checkpointing, rows, tokens):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TWELVE_LAYERS)).init_weights(0)
     model.checkpoint_layers = checkpointing
+    # allocated before the measurement: the pass's own memory is what is left
     for p in model.parameters():
-        p.grad = torch.zeros_like(
-            p
-        )  # allocated before the measurement: the pass's own memory is what is left
+        p.grad = torch.zeros_like(p)
     idx = torch.randint(0, 32768, (rows, tokens))
     targets = torch.randint(0, 32768, (rows, tokens))
     with open("/proc/self/clear_refs", "w") as f:
@@ -155,7 +158,8 @@ def peak_worker(checkpointing, rows, tokens):
 
 
 def logprob_peak_worker(kind, tokens, hidden, vocab):
-    """In a fresh process: peak resident memory growth (bytes) of forward + backward of lm_head + NLL over tokens."""
+    """In a fresh process: peak resident memory growth (bytes) of forward + backward of lm_head +
+    NLL over tokens."""
     h = torch.randn(tokens, hidden, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
     targets = torch.randint(0, vocab, (tokens,))
@@ -179,7 +183,8 @@ def logprob_peak_worker(kind, tokens, hidden, vocab):
 
 
 def logprob_peak(kind, tokens, hidden, vocab):
-    """The training log-prob pass's peak (bench_rollout's row): kind "chunked" (logprobs.SampledLogprobs) or "unchunked"."""
+    """The training log-prob pass's peak (bench_rollout's row): kind "chunked"
+    (logprobs.SampledLogprobs) or "unchunked"."""
     out = subprocess.run(
         [
             sys.executable,
@@ -197,12 +202,13 @@ def logprob_peak(kind, tokens, hidden, vocab):
 
 def peak(rows, tokens):
     print(
-        f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, fp32, CPU), one "
-        f"forward+backward of {rows} rows x {tokens} tokens, every token a target, torch {torch.__version__}"
+        f"12-layer config ({GPT(GPTConfig(**TWELVE_LAYERS)).num_params() / 1e6:.0f}M params, "
+        f"fp32, CPU), one forward+backward of {rows} rows x {tokens} tokens, every token a "
+        f"target, torch {torch.__version__}"
     )
     print(
-        f"{'activation checkpointing':<26} {'resident before MiB':>20} {'pass peak above it MiB':>23} "
-        f"{'saved for backward MiB':>23} {'pass s':>7}"
+        f"{'activation checkpointing':<26} {'resident before MiB':>20} "
+        f"{'pass peak above it MiB':>23} {'saved for backward MiB':>23} {'pass s':>7}"
     )
     for checkpointing in (False, True):
         out = subprocess.run(
@@ -221,31 +227,29 @@ def peak(rows, tokens):
         )
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(
-            f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} {r['pass_peak_mib']:>23.0f} "
-            f"{r['saved_mib']:>23.0f} {r['seconds']:>7.1f}"
+            f"{'on' if checkpointing else 'off':<26} {r['resident_before_mib']:>20.0f} "
+            f"{r['pass_peak_mib']:>23.0f} {r['saved_mib']:>23.0f} {r['seconds']:>7.1f}"
         )
 
 
 def saved_per_token(shape, lora_rank=0, tokens=256):
-    """Bytes autograd keeps per token for one decoder layer of the shape, plain and checkpointed, and for the head,
-    bf16 (as on CUDA): with lora_rank, the layer frozen and LoRA adapters on all its projections (policy/lora.py)."""
-    model = GPT(
-        GPTConfig(**{**shape, "num_hidden_layers": 1})
-    )  # one layer of the shape: the rest repeats it
+    """Bytes autograd keeps per token for one decoder layer of the shape, plain and checkpointed,
+    and for the head, bf16 (as on CUDA): with lora_rank, the layer frozen and LoRA adapters on all
+    its projections (policy/lora.py)."""
+    # one layer of the shape: the rest repeats it
+    model = GPT(GPTConfig(**{**shape, "num_hidden_layers": 1}))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     if lora_rank:
         lora.add_adapters(model, lora_rank, 32.0)
+        # under autocast on CUDA the adapters compute in bf16 too
         for p in model.parameters():
-            p.data = p.data.to(
-                torch.bfloat16
-            )  # under autocast on CUDA the adapters compute in bf16 too
+            p.data = p.data.to(torch.bfloat16)
     else:
         model = model.to(torch.bfloat16)
     idx, targets = torch.randint(0, 1000, (1, tokens)), torch.randint(0, 1000, (1, tokens))
-    x = (
-        model.model.embed_tokens(idx).detach().requires_grad_(not lora_rank)
-    )  # the layer's input (B, T, C), bf16
+    # the layer's input (B, T, C), bf16
+    x = model.model.embed_tokens(idx).detach().requires_grad_(not lora_rank)
     rope = model.rope(torch.arange(tokens)[None])
     layer = {}
     for checkpointing in (False, True):
@@ -260,58 +264,64 @@ def saved_per_token(shape, lora_rank=0, tokens=256):
                     else block(h, rope, None, None)
                 )
         layer[checkpointing] = saved.total / tokens
-    with SavedBytes(
-        model
-    ) as saved:  # the head: final norm, lm_head over the targets, fp32 cross-entropy
+    # the head: final norm, lm_head over the targets, fp32 cross-entropy
+    with SavedBytes(model) as saved:
         hidden = model.model.norm(h.detach().requires_grad_())
         torch.nn.functional.cross_entropy(model.lm_head(hidden[0]).float(), targets[0])
     return layer[False], layer[True], saved.total / tokens
 
 
 def table(lora_rank=16, tokens=16384):
-    """Per-GPU training memory (GB) of full fine-tuning and of LoRA at lora_rank, one GPU (or every rank of a DDP run),
-    a micro-batch of `tokens` tokens, every one a target: state + activations, each measured or counted."""
+    """Per-GPU training memory (GB) of full fine-tuning and of LoRA at lora_rank, one GPU (or every
+    rank of a DDP run), a micro-batch of `tokens` tokens, every one a target: state + activations,
+    each measured or counted."""
     print(
-        f"per-GPU training memory, GB: micro-batch of {tokens} tokens (--device-batch-tokens), every token a target; "
-        f"LoRA rank {lora_rank} on every projection; torch {torch.__version__}"
+        f"per-GPU training memory, GB: micro-batch of {tokens} tokens (--device-batch-tokens), "
+        f"every token a target; LoRA rank {lora_rank} on every projection; "
+        f"torch {torch.__version__}"
     )
     print(
-        "| Qwen2.5 | params | LoRA params | state: full / LoRA | activations: full / LoRA | full: plain / checkpointed "
-        "| LoRA: plain / checkpointed |"
+        "| Qwen2.5 | params | LoRA params | state: full / LoRA | activations: full / LoRA "
+        "| full: plain / checkpointed | LoRA: plain / checkpointed |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
+
+    def gb(b):
+        return f"{b / 1e9:.0f}" if b >= 1e10 else f"{b / 1e9:.1f}"
+
     for name, shape in QWEN25.items():
         with torch.device("meta"):
             model = GPT(GPTConfig(**shape))
             params = model.num_params()
             lora.add_adapters(model, lora_rank, 32.0)
             adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        state = {
-            "full": 16 * params,
-            "lora": 2 * (params - adapters) + 16 * adapters,
-        }  # fp32 w+g+2 moments; bf16 base
+        # fp32 w+g+2 moments; bf16 base
+        state = {"full": 16 * params, "lora": 2 * (params - adapters) + 16 * adapters}
         peaks, activations = {}, {}
         for kind, rank in (("full", 0), ("lora", lora_rank)):
             layer, layer_checkpointed, head = saved_per_token(shape, rank)
             n = shape["num_hidden_layers"]
             activations[kind] = (n * layer + head) * tokens
-            # checkpointed: every layer's input, and the one layer the backward pass recomputes at a time
+            # checkpointed: every layer's input, and the one layer
+            # the backward pass recomputes at a time
             peaks[kind] = [
                 state[kind] + (n * layer + head) * tokens,
                 state[kind] + (n * layer_checkpointed + layer + head) * tokens,
             ]
-        gb = lambda b: f"{b / 1e9:.0f}" if b >= 1e10 else f"{b / 1e9:.1f}"  # noqa: E731
         print(
-            f"| {name} | {params / 1e9:.2f}B | {adapters / 1e6:.1f}M | {gb(state['full'])} / {gb(state['lora'])} | "
-            f"{gb(activations['full'])} / {gb(activations['lora'])} | {' / '.join(map(gb, peaks['full']))} | "
-            f"{' / '.join(map(gb, peaks['lora']))} |"
+            f"| {name} | {params / 1e9:.2f}B | {adapters / 1e6:.1f}M | "
+            f"{gb(state['full'])} / {gb(state['lora'])} | "
+            f"{gb(activations['full'])} / {gb(activations['lora'])} | "
+            f"{' / '.join(map(gb, peaks['full']))} | {' / '.join(map(gb, peaks['lora']))} |"
         )
 
 
 def per_token(tokens=256):
-    """Saved bytes per token of one decoder layer (plain, and checkpointed: its input only) and of the head."""
+    """Saved bytes per token of one decoder layer (plain, and checkpointed: its input only) and of
+    the head."""
     print(
-        f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), torch {torch.__version__}"
+        f"bytes autograd keeps per token, bf16 weights, one row of {tokens} tokens (CPU), "
+        f"torch {torch.__version__}"
     )
     print(f"{'shape':<6} {'params':>8} {'layer':>9} {'layer, checkpointed':>20} {'head':>10}")
     for name, shape in QWEN25.items():
@@ -319,7 +329,8 @@ def per_token(tokens=256):
             params = GPT(GPTConfig(**shape)).num_params()
         layer, layer_checkpointed, head = saved_per_token(shape, tokens=tokens)
         print(
-            f"{name:<6} {params / 1e9:>7.2f}B {layer:>9.0f} {layer_checkpointed:>20.0f} {head:>10.0f}"
+            f"{name:<6} {params / 1e9:>7.2f}B {layer:>9.0f} "
+            f"{layer_checkpointed:>20.0f} {head:>10.0f}"
         )
 
 

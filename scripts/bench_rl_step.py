@@ -1,8 +1,9 @@
 """
 Benchmark of whole RL steps (rollout + reward + backward + AdamW) on a model of a real shape with
-random weights, so it needs no download. Prints a table of step time, rollout tokens/s and peak memory.
+random weights: it needs no download. Prints a table of step time, rollout tokens/s and peak memory.
 
-    python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda   # 16 prompts x 16 samples x 256 tokens, bf16
+    # 16 prompts x 16 samples x 256 tokens, bf16
+    python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda
     python -m scripts.bench_rl_step --shape=demo --device-type=cpu
 
 The model's weights are random and its tokenizer is the byte tokenizer: sampling covers those 261
@@ -10,8 +11,9 @@ columns (the sampler's softmax over a real 152k vocabulary is a small share of a
 lm_head projection onto all 152k rows is paid in full). A random model rarely samples the stop
 token, so completions run long, and its answers are never right, so every group would be skipped:
 the verifier is replaced by a deterministic coin flip so that every step also trains on its rows.
-step_parts: one step in its parts (rollout, reward, update), the update against its FLOPs at the GEMM rate beside it
-(update_against_floor, which gpu_check's update check shares) and against its matmuls alone, bench_rollout's RL-step rows.
+step_parts: one step in its parts (rollout, reward, update), the update against its FLOPs at the
+GEMM rate beside it (update_against_floor, which gpu_check's update check shares) and against
+its matmuls alone, bench_rollout's RL-step rows.
 """
 
 import argparse
@@ -113,26 +115,31 @@ def main():
         else "cpu"
     )
     print(
-        f"\nshape={args.shape} params={num_params / 1e6:.0f}M device={device} torch={torch.__version__} "
-        f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens"
+        f"\nshape={args.shape} params={num_params / 1e6:.0f}M device={device} "
+        f"torch={torch.__version__} {args.prompts} prompts x {args.samples} samples x "
+        f"{args.max_new_tokens} tokens"
     )
     print(
-        f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | {'trained tokens':>14} | {'peak GiB':>8}"
+        f"{'step':>4} | {'step time s':>11} | {'rollout tok/s':>13} | {'gen tokens':>10} | "
+        f"{'trained tokens':>14} | {'peak GiB':>8}"
     )
     for r in rows:
         print(
             f"{r['step']:>4} | {r['step_time_s']:>11.2f} | {r['rollout_tokens_per_s']:>13.0f} | "
-            f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['kept_tokens']:>14} | {r.get('peak_mem_gb', float('nan')):>8.2f}"
+            f"{r['seq_len'] * args.prompts * args.samples:>10.0f} | {r['kept_tokens']:>14} | "
+            f"{r.get('peak_mem_gb', float('nan')):>8.2f}"
         )
 
 
-# ---- one RL step through chat_rl's own functions, in parts (bench_rollout's RL-step rows; adapt when chat_rl changes)
+# ---- one RL step through chat_rl's own functions, in parts --------------------------------------
+# (bench_rollout's RL-step rows; adapt when chat_rl changes)
 def update_matmul_seconds(c, positions, kept_tokens):
     """
-    Seconds of the update's weight matmuls alone, each timed at its own shape: for every Linear of a layer (times the
-    layers) and the head, the forward x @ W.T and the backward's two, dY @ W and dY.T @ x, on `positions` rows (the
-    head: the kept tokens the loss projects). Small inner dimensions (width 256) run well below a square GEMM's
-    rate: this is the floor those matmuls set, whatever the rest of the update does.
+    Seconds of the update's weight matmuls alone, each timed at its own shape: for every Linear
+    of a layer (times the layers) and the head, the forward x @ W.T and the backward's two,
+    dY @ W and dY.T @ x, on `positions` rows (the head: the kept tokens the loss projects). Small
+    inner dimensions (width 256) run well below a square GEMM's rate: this is the floor those
+    matmuls set, whatever the rest of the update does.
     """
     width, heads = c.hidden_size, c.head_dim * (c.num_attention_heads + 2 * c.num_key_value_heads)
     shapes = [
@@ -153,15 +160,16 @@ def update_matmul_seconds(c, positions, kept_tokens):
 
 
 class Tokenizer:
-    """What the engine reads of a tokenizer, for the benchmarks' random models: vocab_size columns are sampled, a stop
-    token ends a row."""
+    """What the engine reads of a tokenizer, for the benchmarks' random models: vocab_size columns
+    are sampled, a stop token ends a row."""
 
     def __init__(self, vocab_size, stop_tokens=()):
         self.vocab_size, self.stop_tokens = vocab_size, set(stop_tokens)
 
 
 def best_of(fn, tries):
-    """Smallest wall time of fn() over tries calls: the machine is shared, the minimum is the least disturbed."""
+    """Smallest wall time of fn() over tries calls: the machine is shared, the minimum is the least
+    disturbed."""
     best = float("inf")
     for _ in range(tries):
         t0 = time.perf_counter()
@@ -172,11 +180,12 @@ def best_of(fn, tries):
 
 def step_parts(model, n_prompts, samples, new_tokens):
     """
-    Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one step of
-    chat_rl on the arith task; the update's FLOPs (update_work), their seconds at the GEMM rate beside it
-    (update_against_floor), the update with plain_logprobs (every sequence whole, all logits at once), and its weight matmuls alone
-    (update_matmul_seconds). A random model's answers are never right, so the verifier is a coin flip
-    (coin_flip_grade): every group then has signal to train on.
+    Seconds of rollout (engine), reward (verifier), update (log-probs, backward, AdamW) of one
+    step of chat_rl on the arith task; the update's FLOPs (update_work), their seconds at the
+    GEMM rate beside it (update_against_floor), the update with plain_logprobs (every sequence
+    whole, all logits at once), and its weight matmuls alone (update_matmul_seconds). A random
+    model's answers are never right, so the verifier is a coin flip (coin_flip_grade): every
+    group then has signal to train on.
     """
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     grade, arith.grade = arith.grade, coin_flip_grade
@@ -204,9 +213,8 @@ def step_parts(model, n_prompts, samples, new_tokens):
             torch.tensor(out["total"]), samples, defaults["advantage"]
         )
 
-        def update(
-            logprobs=chat_rl.fast_logprobs,
-        ):  # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
+        # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
+        def update(logprobs=chat_rl.fast_logprobs):
             model.zero_grad(set_to_none=True)
             loss, kept_tokens = chat_rl.policy_gradient_backward(
                 model,
@@ -224,7 +232,8 @@ def step_parts(model, n_prompts, samples, new_tokens):
                 model, optimizer, 1e-6, defaults["grad_clip"], float(loss), kept_tokens
             )
 
-        def update_whole():  # the same with plain_logprobs: every sequence whole, one row each, all logits at once
+        # the same with plain_logprobs: every sequence whole, one row each, all logits at once
+        def update_whole():
             update(chat_rl.plain_logprobs)
 
         c = model.config
@@ -238,9 +247,8 @@ def step_parts(model, n_prompts, samples, new_tokens):
             if a > 0
         ]
         work = update_work(c, kept, samples)
-        whole = best_of(
-            update_whole, 2
-        )  # twice, the faster kept: the first backward pass warms the allocator
+        # twice, the faster kept: the first backward pass warms the allocator
+        whole = best_of(update_whole, 2)
         shared, floor, rates = update_against_floor(
             update, work, torch.device("cpu"), torch.float32
         )
@@ -359,11 +367,13 @@ def pass_flops(model, work):
 
 def update_against_floor(update, work, device, dtype, n=2048, tries=2):
     """
-    (seconds of update(), the faster of `tries`; seconds of its FLOPs, update_work's `work`, at this device's matmul
-    rates; {dtype: FLOP/s}). The rates are taken beside each try, by square (n, n) matmuls as many FLOPs long into one
-    output (fresh outputs would cost page faults): on a shared machine the rate of the same seconds, not of a quieter
-    moment (a second of matmuls reads the machine at its best). The head's two gradient matmuls run in fp32
-    (logprobs.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype, the update's precision.
+    (seconds of update(), the faster of `tries`; seconds of its FLOPs, update_work's `work`, at
+    this device's matmul rates; {dtype: FLOP/s}). The rates are taken beside each try, by square
+    (n, n) matmuls as many FLOPs long into one output (fresh outputs would cost page faults): on
+    a shared machine the rate of the same seconds, not of a quieter moment (a second of matmuls
+    reads the machine at its best). The head's two gradient matmuls run in fp32
+    (logprobs.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype,
+    the update's precision.
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -375,9 +385,8 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
         return time.perf_counter() - t0
 
     flops = {dtype: work["weight_flops"] + work["attention_flops"] - work["head_grad_flops"]}
-    flops[torch.float32] = (
-        flops.get(torch.float32, 0) + work["head_grad_flops"]
-    )  # one entry when dtype is fp32
+    # one entry when dtype is fp32
+    flops[torch.float32] = flops.get(torch.float32, 0) + work["head_grad_flops"]
     seconds, rates = math.inf, {}
     for _ in range(tries):
         seconds = min(seconds, seconds_of(update))
@@ -413,12 +422,14 @@ def matmul_rate(total, device, dtype, n=2048):
 
 def update_work(c, kept, samples):
     """
-    Weight and attention FLOPs of the update's forward and backward passes over the kept rows (whole groups of
-    `samples`, in order), laid out as the loss runs them: each row's own part (its sampled tokens, from the prompt's
-    last token on) and each group's prompt less its last token once. Weights: 2 FLOPs a weight a position forward, 4
-    backward. Attention: q.k and p.v, 4 x heads x head_dim a (query, key) pair and layer forward, twice that backward;
-    an own position sees the prefix and the own positions up to it, a prefix position the prefix up to it. Also the
-    positions the layers run, the tokens the head projects (kept_tokens) and the FLOPs of the head's two gradient matmuls.
+    Weight and attention FLOPs of the update's forward and backward passes over the kept rows
+    (whole groups of `samples`, in order), laid out as the loss runs them: each row's own part
+    (its sampled tokens, from the prompt's last token on) and each group's prompt less its last
+    token once. Weights: 2 FLOPs a weight a position forward, 4 backward. Attention: q.k and
+    p.v, 4 x heads x head_dim a (query, key) pair and layer forward, twice that backward; an own
+    position sees the prefix and the own positions up to it, a prefix position the prefix up to
+    it. Also the positions the layers run, the tokens the head projects (kept_tokens) and the
+    FLOPs of the head's two gradient matmuls.
     """
     own = [(sum(m), len(s) - sum(m) - 1) for s, m in kept]  # (own positions, prefix length) a row
     positions = sum(n for n, _ in own) + sum(p for _, p in own[::samples])

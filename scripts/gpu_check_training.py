@@ -42,7 +42,10 @@ def loss_rollouts(loss_batch, vocab, seed=4, n_prompts=None):
     number of prompts."""
     prompts, samples, (p_lo, p_hi), (c_lo, c_hi) = loss_batch
     g = torch.Generator().manual_seed(seed)
-    randint = lambda lo, hi, n=None: torch.randint(lo, hi + 1, (n or 1,), generator=g).tolist()  # noqa: E731
+
+    def randint(lo, hi, n=None):
+        return torch.randint(lo, hi + 1, (n or 1,), generator=g).tolist()
+
     sequences, masks = [], []
     for _ in range(n_prompts or prompts):
         prompt = randint(0, vocab - 1, randint(p_lo, p_hi)[0])
@@ -66,8 +69,8 @@ def flat_grad(model, trained_only=False):
 
 
 def loss_and_grad(s, model, sequences, masks, weights, layout, autocast):
-    """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and the seconds of forward
-    + backward, the log-probs taken one of the LAYOUTS' ways."""
+    """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and
+    the seconds of forward + backward, the log-probs taken one of the LAYOUTS' ways."""
     model.zero_grad(set_to_none=True)
     inputs, targets = chat_rl.make_batch(sequences, masks, s.device)
     logprobs = chat_rl.plain_logprobs if layout == "plain" else fast_logprobs
@@ -111,15 +114,13 @@ def check_shared_loss(s):
     CUDA) and in fp32."""
     model = s.model().train()
     sequences, masks = loss_rollouts(s.loss_batch, model.config.vocab_size)
-    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(
-        s.device
-    )  # stand-in advantages
+    # stand-in advantages
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)
     notes, ok = [], True
     for name, autocast in s.precisions:
         results = {}
-        for _ in range(
-            1 if name == "fp32" else 2
-        ):  # the bf16 timings: the second of each layout (the first warms up)
+        # the bf16 timings: the second of each layout (the first warms up)
+        for _ in range(1 if name == "fp32" else 2):
             for layout in LAYOUTS:
                 results[layout] = loss_and_grad(
                     s, model, sequences, masks, weights, layout, autocast
@@ -151,14 +152,14 @@ def check_fsdp_loss(s):
     model's in fp32, the log-probs taken as chat_rl trains with them."""
     model = s.model().train()
     sequences, masks = loss_rollouts(s.loss_batch, model.config.vocab_size)
-    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(
-        s.device
-    )  # stand-in advantages
+    # stand-in advantages
+    weights = torch.randn(len(sequences), generator=torch.Generator().manual_seed(5)).to(s.device)
     told = "told the loss"
     ref_nll, ref_grad, _ = loss_and_grad(s, model, sequences, masks, weights, told, nullcontext)
     model.zero_grad(set_to_none=True)
     started = not dist.is_initialized()
-    if started:  # one rank: FSDP's gathers, mixed precision and gradient reduction all run, over a group of one
+    # one rank: FSDP's gathers, mixed precision and gradient reduction all run, over a group of one
+    if started:
         dist.init_process_group(
             "nccl" if s.cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
         )
@@ -234,7 +235,11 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
         dtype=torch.bfloat16,
     )
     passes = []
-    counted = lambda *a, **k: passes.append(1) or fast_logprobs(*a, **k)  # noqa: E731
+
+    def counted(*a, **k):
+        passes.append(1)
+        return fast_logprobs(*a, **k)
+
     chat_rl.policy_gradient_backward(sharded.train(), *args, autocast=autocast, logprobs=counted)
     out["fsdp"] = flat_grad(sharded)
     # inside one gather: every weight whole, the model's rounded to bf16; ranks decode different
@@ -377,10 +382,11 @@ def check_lora(s):
 
 def check_update(s):
     """
-    One RL update as chat_rl.train runs it (policy_gradient_backward, clipping, fused AdamW; lr 0, so the shared model
-    stays as it is) on the rollout batch's shape, every group live, against its FLOPs (bench_rl_step.update_work) at
-    this device's matmul rates taken beside it (bench_rl_step.update_against_floor, as bench_rollout's RL-step row).
-    Micro-batches of one group each (device_batch_size = samples), so that each prompt runs once, as update_work counts.
+    One RL update as chat_rl.train runs it (policy_gradient_backward, clipping, fused AdamW; lr 0,
+    so the shared model stays as it is) on the rollout batch's shape, every group live, against its
+    FLOPs (bench_rl_step.update_work) at this device's matmul rates taken beside it
+    (bench_rl_step.update_against_floor, as bench_rollout's RL-step row). Micro-batches of one
+    group each (device_batch_size = samples), so that each prompt runs once, as update_work counts.
     """
     model = s.model().train()
     vocab, rows = model.config.vocab_size, s.prompts * s.samples
@@ -390,13 +396,11 @@ def check_update(s):
         (s.prompts, s.prompt_len + s.new_tokens),
         generator=torch.Generator().manual_seed(6),
     )
-    sequences = [
-        tokens[r // s.samples].tolist() for r in range(rows)
-    ]  # each prompt's samples share it whole: lengths alike
+    # each prompt's samples share it whole: lengths alike
+    sequences = [tokens[r // s.samples].tolist() for r in range(rows)]
     masks = [[0] * s.prompt_len + [1] * s.new_tokens] * rows
-    advantages = torch.tensor([1.0, -1.0]).repeat(
-        rows // 2
-    )  # half right in every group: every group carries gradient
+    # half right in every group: every group carries gradient
+    advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     optimizer = chat_rl.adamw(model.parameters(), 0.0, defaults["weight_decay"])
 
@@ -422,10 +426,12 @@ def check_update(s):
     n = 512 if s.quick else 8192
     seconds, floor, rates = update_against_floor(update, work, s.device, s.dtype, n=n)
     model.zero_grad(set_to_none=True)
-    optimizer.state.clear()  # AdamW's moments: 8 bytes a parameter, not needed by the checks after this one
+    # AdamW's moments: 8 bytes a parameter, not needed by the checks after this one
+    optimizer.state.clear()
     share = floor / seconds
     note = (
-        f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; at the matmul rates beside it ("
+        f"{rows} rows x {s.prompt_len}+{s.new_tokens} tokens: update {seconds:.2f} s; "
+        "at the matmul rates beside it ("
         + ", ".join(
             f"{str(kind).removeprefix('torch.')} {rate / 1e12:.1f} TFLOP/s"
             for kind, rate in rates.items()

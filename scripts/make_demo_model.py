@@ -14,10 +14,12 @@ to find that strategy and make it the policy's first choice: RL with a verifier 
 its teacher, and better at its best answer, not only at sampling it. The results are masked out of
 the loss, as RL's forced tokens are: the model learns to call the tool, not to be it.
 
-    python -m scripts.make_demo_model                 # writes demo_model/ (HF folder), ~20 min on one CPU thread
+    # writes demo_model/ (HF folder), ~20 min on one CPU thread
+    python -m scripts.make_demo_model
     python -m scripts.make_demo_model --seed=1 --out=/tmp/m
 
-demo_model/ ships with the repository; this rebuilds it (chat_rl stops with this command if it is missing).
+demo_model/ ships with the repository; this rebuilds it (chat_rl stops with this command if it
+is missing).
 """
 
 import argparse
@@ -56,8 +58,9 @@ OUT = "demo_model"
 
 
 def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE):
-    """Render rows (a tool_rate share calling the calculator, a slip_rate share of the rest with a slipped
-    solution) into (inputs, targets), -1 outside the answers and on the calculator's results."""
+    """Render rows (a tool_rate share calling the calculator, a slip_rate share of the rest with a
+    slipped solution) into (inputs, targets), -1 outside the answers and on the calculator's
+    results."""
     seqs, masks = [], []
     for row in rows:
         conv = conversation(arith, row, with_solution=True)
@@ -71,14 +74,14 @@ def batch_of(rows, tokenizer, rng, slip_rate=SLIP_RATE, tool_rate=TOOL_RATE):
     return make_batch(seqs, masks, "cpu")  # the targets RL's loss takes too: only where mask is 1
 
 
-RESULT = re.compile(
-    r"<<[^=\n>]*=([^>\n]*>>)"
-)  # what the engine forces after `<<expr=`: the result and `>>`
+# what the engine forces after `<<expr=`: the result and `>>`
+RESULT = re.compile(r"<<[^=\n>]*=([^>\n]*>>)")
 
 
 def mask_tool_results(ids, mask):
-    """mask with 0 on the tool's results, as generate_batch marks the tokens it forces (byte tokenizer: a
-    byte per character; special tokens, ids >= 256, stand in as one character that is never part of a call)."""
+    """mask with 0 on the tool's results, as generate_batch marks the tokens it forces (byte
+    tokenizer: a byte per character; special tokens, ids >= 256, stand in as one character that is
+    never part of a call)."""
     text = "".join(chr(i) if i < 256 else "\0" for i in ids)
     mask = list(mask)
     for m in RESULT.finditer(text):
@@ -95,9 +98,9 @@ def build(
     log=tqdm.write,
 ):
     """
-    Progress: a bar with counts on a terminal (tqdm, on stderr; off when stderr is not a terminal, e.g.
-    a log file), and a plain line every 100 steps either way. log=tqdm.write prints lines without
-    breaking the bar.
+    Progress: a bar with counts on a terminal (tqdm, on stderr; off when stderr is not a terminal,
+    e.g. a log file), and a plain line every 100 steps either way. log=tqdm.write prints lines
+    without breaking the bar.
     """
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -112,9 +115,8 @@ def build(
     t0 = time.time()
     bar = tqdm(total=num_steps, desc="sft", unit="step", disable=None)  # None: only on a terminal
     for step in range(num_steps):
-        lr = (
-            LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)
-        )  # warmup, then linear decay to 0
+        # warmup, then linear decay to 0
+        lr = LR * min(1.0, (step + 1) / WARMUP) * (1 - step / num_steps)
         for group in opt.param_groups:
             group["lr"] = lr
         inputs, targets = batch_of(
@@ -129,7 +131,8 @@ def build(
         bar.update()
         if step % 100 == 0 or step == num_steps - 1:
             log(
-                f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | {time.time() - t0:.0f}s"
+                f"sft step {step:5d}/{num_steps} | loss {loss.item():.4f} | lr {lr:.2e} | "
+                f"{time.time() - t0:.0f}s"
             )
     bar.close()
     model.save_pretrained(out)
@@ -137,20 +140,23 @@ def build(
     log(f"saved {out}; measuring held-out accuracy, greedy and sampled")
     for temperature, (accuracy, tool_use) in measure(model, tokenizer).items():
         log(
-            f"{out}: temperature {temperature}: held-out accuracy {accuracy:.1%}, calculator used by {tool_use:.1%} (200 problems)"
+            f"{out}: temperature {temperature}: held-out accuracy {accuracy:.1%}, "
+            f"calculator used by {tool_use:.1%} (200 problems)"
         )
     return model
 
 
 def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
-    """Held-out accuracy and tool use, greedy and sampled at T = 1: the gaps between them are what RL can close."""
+    """Held-out accuracy and tool use, greedy and sampled at T = 1: the gaps between them are what
+    RL can close."""
     from engine import Engine
 
     rows = arith.load("test", limit=num_problems)
     prompts = [tokenizer.render_for_completion(conversation(arith, row)) for row in rows]
     engine, model = Engine(model, tokenizer, tool=calculate), model.eval()
     scores = {}
-    # one batch per temperature (the seeded samples, and so the numbers, depend on the batch): the bar counts completions
+    # one batch per temperature (the seeded samples, and so the numbers, depend on the batch);
+    # the bar counts completions
     bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
         seqs, _, calls, _ = engine.generate(

@@ -1,12 +1,14 @@
 """
-ATen operations per decode pass: what a GPU pays at least one kernel launch (and Python's dispatch) for, whatever
-the work in it. Counted by a TorchDispatchMode around whole generate calls at two lengths, the difference divided
-by the steps between them, so the prefill and the per-call setup cancel out. Views (and _unsafe_view, matmul's
-reshape of its result) only relabel memory: they are counted apart.
+ATen operations per decode pass: what a GPU pays at least one kernel launch (and Python's
+dispatch) for, whatever the work in it. Counted by a TorchDispatchMode around whole generate
+calls at two lengths, the difference divided by the steps between them, so the prefill and the
+per-call setup cancel out. Views (and _unsafe_view, matmul's reshape of its result) only relabel
+memory: they are counted apart.
 
-Each generate is counted as it runs: the engine under its own no_grad, where composite operations (linear, rms_norm)
-reach the counter as the kernels they decompose into on this device; transformers under inference_mode, as the
-bench times it, where the counter sees each composite operation once.
+Each generate is counted as it runs: the engine under its own no_grad, where composite operations
+(linear, rms_norm) reach the counter as the kernels they decompose into on this device;
+transformers under inference_mode, as the bench times it, where the counter sees each composite
+operation once.
 """
 
 from collections import Counter
@@ -31,8 +33,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def ops_per_step(generate, short=8, long=24):
-    """generate(new_tokens) runs one whole call -> (operations that are not views, all operations, Counter of the
-    former by name) per decode pass, averaged over the long - short steps that the longer call adds."""
+    """generate(new_tokens) runs one whole call -> (operations that are not views, all operations,
+    Counter of the former by name) per decode pass, averaged over the long - short steps that the
+    longer call adds."""
     counts = []
     for new_tokens in (short, long):
         with OpCounter() as counter:

@@ -14,9 +14,8 @@ import os
 import sys
 
 USAGE = "usage: python -m scripts.plot <out_dir> [<out_dir> ...] [--out=file.png]"
-SMOOTH = (
-    20  # steps in the running mean of the train reward: one step's reward (16 problems) is noisy
-)
+# steps in the running mean of the train reward: one step's reward (16 problems) is noisy
+SMOOTH = 20
 
 
 def read_metrics(out_dir):
@@ -32,7 +31,8 @@ def read_metrics(out_dir):
 
 
 def running_mean(values, window):
-    """Mean of the last `window` values at each point (fewer at the start): trails the data, never leads it."""
+    """Mean of the last `window` values at each point (fewer at the start): trails the data,
+    never leads it."""
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v - (values[i - window] if i >= window else 0.0)
@@ -45,12 +45,15 @@ def missing(out_dir):
     if not os.path.isdir(out_dir):
         return f"no such folder: {out_dir}"
     if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-        return f"{out_dir} has no metrics.jsonl (the --out-dir of a chat_rl run holds one from its first step)"
+        return (
+            f"{out_dir} has no metrics.jsonl "
+            "(the --out-dir of a chat_rl run holds one from its first step)"
+        )
     return None
 
 
 def plot(out_dirs, path=None):
-    """Draw the runs of out_dirs into path (default <first out_dir>/metrics.png); returns the path."""
+    """Draw the runs of out_dirs into path (default <first out_dir>/metrics.png); return path."""
     fig = figure(out_dirs)
     path = path or os.path.join(out_dirs[0], "metrics.png")
     fig.savefig(path, dpi=110)
@@ -75,10 +78,8 @@ def figure(out_dirs):
     has_greedy = False
     for i, out_dir in enumerate(out_dirs):
         train, evals = read_metrics(out_dir)
-        label, color = (
-            os.path.basename(os.path.normpath(out_dir)),
-            f"C{i}",
-        )  # one colour per run in every panel
+        # one colour per run in every panel
+        label, color = os.path.basename(os.path.normpath(out_dir)), f"C{i}"
 
         def draw(ax, xs, ys, *style, **kwargs):
             ax.plot(xs, ys, *style, color=color, **kwargs)
@@ -90,8 +91,8 @@ def figure(out_dirs):
         draw(axes[0, 0], steps, running_mean(rewards, SMOOTH), label=label)
         ks = sorted({int(k[5:]) for r in evals for k in r if k.startswith("pass@")})
         eval_steps = [r["step"] for r in evals]
-        # the headline pass@1 and the widest pass@k; one legend entry per run (the title says which line is which,
-        # so the legend stays small enough to leave the curves' ends in view)
+        # the headline pass@1 and the widest pass@k; one legend entry per run (the title says
+        # which line is which, so the legend stays small enough to leave the curves' ends in view)
         for k, style in ((ks[0], "-"), (ks[-1], "--")) if ks else ():
             draw(
                 axes[0, 1],
@@ -139,14 +140,14 @@ def figure(out_dirs):
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(
-            MaxNLocator(integer=True)
-        )  # steps are whole numbers: no 2.5 ticks on short runs
+        # steps are whole numbers: no 2.5 ticks on short runs
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         values = [v for v in panels[ax] if v == v]  # nan (a pass@k a row lacks) is not a value
         if values and min(values) == max(values):
-            # one value throughout (no truncation at all) would get matplotlib's +-0.04 band around it;
-            # every panel holds values >= 0, so show 0 up to 1 (a fraction) or a little past the value,
-            # with 0 a little above the bottom edge so a line at 0 is not hidden under the axis
+            # one value throughout (no truncation at all) would get matplotlib's +-0.04 band
+            # around it; every panel holds values >= 0, so show 0 up to 1 (a fraction) or a little
+            # past the value, with 0 a little above the bottom edge so a line at 0 is not hidden
+            # under the axis
             top = max(1.0, 1.1 * values[0])
             ax.set_ylim(-0.03 * top, top)
         ax.grid(alpha=0.3)

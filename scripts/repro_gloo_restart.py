@@ -1,14 +1,15 @@
 """
-Why distributed.setup_distributed gives each torchrun restart keys of its own, shown without chat_rl.
+Why distributed.setup_distributed gives each torchrun restart its own keys, shown without chat_rl.
 
     python -m scripts.repro_gloo_restart [--tries=6]
 
-Each try launches `torchrun --standalone --max-restarts=1 --nproc_per_node=2` on this file: two gloo
-ranks all-reduce a few times and rank 1 SIGKILLs itself in the first launch, so torchrun restarts the
-whole group with the same command line. Plain `init_process_group("gloo")` in the restarted group
-reads the rank addresses the first launch left in torchrun's store and often connects to a dead
-peer ("Gloo connectFullMesh failed ... Connection refused"); the same code over a
-PrefixStore named after TORCHELASTIC_RESTART_COUNT finishes every time. Prints one row per variant.
+Each try launches `torchrun --standalone --max-restarts=1 --nproc_per_node=2` on this file: two
+gloo ranks all-reduce a few times and rank 1 SIGKILLs itself in the first launch, so torchrun
+restarts the whole group with the same command line. Plain `init_process_group("gloo")` in the
+restarted group reads the rank addresses the first launch left in torchrun's store and often
+connects to a dead peer ("Gloo connectFullMesh failed ... Connection refused"); the same code
+over a PrefixStore named after TORCHELASTIC_RESTART_COUNT finishes every time.
+Prints one row per variant.
 """
 
 import os

@@ -1,14 +1,18 @@
 """
 The README's tables, rerun and printed as the README shows them:
 
-    python -m scripts.reproduce_readme                    # 6 demo runs, ~3.5 min each on 2 CPU cores, into runs/readme/
-    python -m scripts.reproduce_readme --out=DIR --print  # only print the table of runs already in DIR
-    python -m scripts.reproduce_readme --lora             # docs/benchmarks.md's LoRA table: 3 seeds x full, rank 1, 16
-    python -m scripts.reproduce_readme --smollm2          # the real model's tables: 3 seeds and LoRA, ~40 min each
+    # 6 demo runs, ~3.5 min each on 2 CPU cores, into runs/readme/
+    python -m scripts.reproduce_readme
+    # only print the table of runs already in DIR
+    python -m scripts.reproduce_readme --out=DIR --print
+    # docs/benchmarks.md's LoRA table: 3 seeds x full, rank 1, 16
+    python -m scripts.reproduce_readme --lora
+    # the real model's tables: 3 seeds and LoRA, ~40 min each
+    python -m scripts.reproduce_readme --smollm2
 
-Each row is `python -m chat_rl --preset=demo` (--preset=smollm2 with --smollm2) with the flags below and
---out-dir=DIR/<name>; a folder that already holds a finished run (its last step's eval) is read, not rerun. The
-table is step 0 -> the last step's held-out eval.
+Each row is `python -m chat_rl --preset=demo` (--preset=smollm2 with --smollm2) with the flags
+below and --out-dir=DIR/<name>; a folder that already holds a finished run (its last step's eval)
+is read, not rerun. The table is step 0 -> the last step's held-out eval.
 """
 
 import argparse
@@ -28,11 +32,13 @@ RUNS = {  # name: (the row's label, its flags beside --preset=demo)
     "seed0-plain": ("seed 0, `--logprobs=plain`", ["--seed=0", "--logprobs=plain"]),
     "seed0-kept": ("seed 0, `--loss-norm=kept_tokens`", ["--seed=0", "--loss-norm=kept_tokens"]),
 }
-SMOLLM2_RUNS = {  # SmolLM2-135M-Instruct (README "A real model on a laptop"), full fine-tuning and LoRA
+# SmolLM2-135M-Instruct (README "A real model on a laptop"), full fine-tuning and LoRA
+SMOLLM2_RUNS = {
     **{f"smollm2-seed{i}": (f"seed {i}", [f"--seed={i}"]) for i in range(3)},
     "smollm2-seed0-r16": ("seed 0, `--lora-rank=16`", ["--seed=0", "--lora-rank=16"]),
 }
-LORA_RUNS = {  # the seeds of full fine-tuning above, beside LoRA at rank 1 and 16 (--preset=demo's --lora-lr)
+# the seeds of full fine-tuning above, beside LoRA at rank 1 and 16 (--preset=demo's --lora-lr)
+LORA_RUNS = {
     **{f"seed{i}": (f"seed {i}, full", [f"--seed={i}"]) for i in range(3)},
     **{
         f"seed{i}-r{r}": (f"seed {i}, `--lora-rank={r}`", [f"--seed={i}", f"--lora-rank={r}"])
@@ -102,7 +108,8 @@ def main(argv=None):
             continue
         if os.path.exists(folder):
             sys.exit(
-                f"reproduce_readme: {folder} holds an unfinished run: delete it or pass another --out"
+                f"reproduce_readme: {folder} holds an unfinished run: "
+                "delete it or pass another --out"
             )
         command = ["-m", "chat_rl", f"--preset={preset}", *flags, f"--out-dir={folder}"]
         print(f"reproduce_readme: {name}: python {' '.join(command)}", flush=True)
@@ -117,7 +124,8 @@ def main(argv=None):
     if args.smollm2:
         return print_smollm2_tables(args.out)
     print(
-        "\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@8 | samples calling the tool | greedy calling it |"
+        "\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@8 "
+        "| samples calling the tool | greedy calling it |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for name, (label, flags) in RUNS.items():
@@ -128,10 +136,11 @@ def main(argv=None):
 
 
 def print_lora_table(out):
-    """Each run's step 0 -> 150 (greedy, pass@1, the widest pass@k, tool use), its trained parameters (the run's first
-    line) and its wall time (the step times of its train rows, summed)."""
+    """Each run's step 0 -> 150 (greedy, pass@1, the widest pass@k, tool use), its trained
+    parameters (the run's first line) and its wall time (its train rows' step times, summed)."""
     print(
-        "\n| run | trained parameters | pass@1 (T = 1) | greedy (T = 0) | pass@8 | samples calling the tool | time in steps |"
+        "\n| run | trained parameters | pass@1 (T = 1) | greedy (T = 0) | pass@8 "
+        "| samples calling the tool | time in steps |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (label, flags) in LORA_RUNS.items():
@@ -154,11 +163,12 @@ def print_lora_table(out):
 
 
 def print_smollm2_tables(out):
-    """The real model's runs: step 0 -> the last eval of pass@1, greedy, the widest pass@k and the mean completion
-    length, with each run's time in steps and evals; then pass@1..16 at both ends."""
+    """The real model's runs: step 0 -> the last eval of pass@1, greedy, the widest pass@k and the
+    mean completion length, each run's time in steps and evals; then pass@1..16 at both ends."""
     ks = (1, 2, 4, 8, 16)
     print(
-        "\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@16 | reply length (tokens) | time in steps and evals |"
+        "\n| run | pass@1 (T = 1) | greedy (T = 0) | pass@16 "
+        "| reply length (tokens) | time in steps and evals |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     found = {}
@@ -189,7 +199,8 @@ def change(first, last, key):
 
 
 def run_seconds(folder):
-    """A run's time in its steps and its evals, from its rows: all of it but loading the model and the checkpoints."""
+    """A run's time in its steps and its evals, from its rows: all of it but loading the model and
+    the checkpoints."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return sum(
             row.get("step_time_s", 0) + row.get("eval_time_s", 0) for row in map(json.loads, f)
@@ -197,7 +208,8 @@ def run_seconds(folder):
 
 
 def trained_parameters(rank):
-    """The demo model's trained parameters: all of them (rank 0), or its adapters' at a rank, every projection."""
+    """The demo model's trained parameters: all of them (rank 0), or its adapters' at a rank,
+    every projection."""
     from plumbing.checkpoint import load_policy
     from policy import lora
 
