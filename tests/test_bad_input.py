@@ -88,7 +88,8 @@ def test_bad_flag_is_refused_in_one_line(argv, reason, capsys, no_model_loading,
 
 
 def test_a_model_path_that_is_no_model_folder_says_what_to_give_instead(tmp_path):
-    # a file, a run's out-dir (its checkpoints are inside), a folder without config.json: each refused before any load
+    # a file, a run's out-dir (its checkpoints are inside), a folder without config.json: each
+    # refused before any load
     run_dir, plain_dir, file = (
         tmp_path / "out" / "demo",
         tmp_path / "empty",
@@ -98,11 +99,12 @@ def test_a_model_path_that_is_no_model_folder_says_what_to_give_instead(tmp_path
         (run_dir / step).mkdir(parents=True)
     plain_dir.mkdir()
     file.write_bytes(b"")
+    latest = run_dir / "step_000150"
     expected = {
         str(file): "is a file: give the folder that holds its config.json",
-        str(
-            run_dir
-        ): f"is a run's folder: its checkpoints are its step_* folders, the latest {run_dir / 'step_000150'}",
+        str(run_dir): (
+            f"is a run's folder: its checkpoints are its step_* folders, the latest {latest}"
+        ),
         str(plain_dir): "holds no config.json: not a Hugging Face model folder",
     }
     for model, reason in expected.items():
@@ -283,7 +285,7 @@ def test_help_opens_with_one_whole_sentence(capsys):
     with pytest.raises(SystemExit):
         chat_rl.main(["--help"])
     first = capsys.readouterr().out.splitlines()[0]
-    # the docstring's first line is its whole first paragraph: nothing of the sentence is left for line 2
+    # the docstring's first line is its whole first paragraph: none of the sentence left for line 2
     assert (
         first.endswith(".")
         and first.count(". ") == 0

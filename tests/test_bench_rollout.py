@@ -1,5 +1,5 @@
-"""scripts/bench_rollout.py on tiny shapes: every row of its table still runs and reports real figures
-(the full run takes ~10 minutes)."""
+"""scripts/bench_rollout.py on tiny shapes: every row of its table still runs and reports real
+figures (the full run takes ~10 minutes)."""
 
 import re
 
@@ -51,7 +51,8 @@ def test_quick_bench_prints_every_row_with_finite_figures_and_positive_ratios(ca
         assert not re.search(r"(?<![a-z])(nan|inf)", " ".join((engine, compared, ratio)), re.I), (
             case
         )
-        # the ratio of two measured figures (speeds, times, sizes), computed before rounding: above zero
+        # the ratio of two measured figures (speeds, times, sizes), computed before rounding:
+        # above zero
         number = re.match(r"(?:engine )?(\d[\d,]*(?:\.\d+)?)", ratio)
         assert number and float(number.group(1).replace(",", "")) > 0, (case, ratio)
         # the figures themselves (some round to 0.0 s at these tiny shapes): there, and numbers

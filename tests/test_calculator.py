@@ -1,4 +1,5 @@
-"""The calculator: exact arithmetic over plain numbers, None for anything else, never eval, always fast."""
+"""The calculator: exact arithmetic over plain numbers, None for anything else, never eval,
+always fast."""
 
 import json
 import os

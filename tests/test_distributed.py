@@ -1,4 +1,5 @@
-"""Two CPU ranks (gloo): gradients equal one process's over the union of their groups; ranks stay in sync."""
+"""Two CPU ranks (gloo): gradients equal one process's over the union of their groups;
+ranks stay in sync."""
 
 import json
 import os
@@ -27,7 +28,8 @@ CONFIG = dict(
 
 
 def groups_for(rank, step):
-    """Each rank's rollouts at a step: rank 0 two groups, rank 1 one live group plus one all-equal group."""
+    """Each rank's rollouts at a step:
+    rank 0 two groups, rank 1 one live group plus one all-equal group."""
     g = torch.Generator().manual_seed(100 * step + rank)
     n_groups = 2
     seqs, masks = [], []
@@ -125,8 +127,8 @@ def test_a_rank_with_no_live_groups_does_not_hang_and_stays_in_sync(tmp_path):
     )
 
 
-# chat_rl under torchrun, recording on each rank the problems of every training rollout and the weights
-# each checkpoint is written from
+# chat_rl under torchrun, recording on each rank the problems of every training rollout and the
+# weights each checkpoint is written from
 RUNNER = r"""
 import json, os, sys
 import torch
@@ -146,9 +148,11 @@ def recording_rollout(engine, task, problems, *args, **kwargs):
         trained_on.append([task.prompt(p) for p in problems])
     return rollout(engine, task, problems, *args, **kwargs)
 def recording_save(cfg, step, model, *args, **kwargs):
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(dump, f"weights{rank}.pt"))
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(weights, os.path.join(dump, f"weights{rank}.pt"))
     return save(cfg, step, model, *args, **kwargs)
-chat_rl.rollout, chat_rl.evaluate, checkpoint.save = recording_rollout, recording_evaluate, recording_save
+chat_rl.rollout, chat_rl.evaluate = recording_rollout, recording_evaluate
+checkpoint.save = recording_save
 code = chat_rl.main()
 json.dump(trained_on, open(os.path.join(dump, f"problems{rank}.json"), "w"))
 sys.exit(code)
@@ -156,7 +160,8 @@ sys.exit(code)
 
 
 def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_weights(tmp_path):
-    # the demo model: its groups disagree, so both steps update and the ranks have weights to agree on
+    # the demo model: its groups disagree, so both steps update
+    # and the ranks have weights to agree on
     out, runner = tmp_path / "run", tmp_path / "runner.py"
     runner.write_text(RUNNER)
     cmd = [
@@ -205,8 +210,8 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
         torch.equal(weights[0][k], weights[1][k]) for k in weights[0]
     )
     assert any(not torch.equal(weights[0][k], start[k]) for k in start)
-    # and the same run as one process: each problem samples from its own stream, so the rollouts are the same; the
-    # gradient sums in another order, and the numbers agree to fp32 rounding
+    # and the same run as one process: each problem samples from its own stream, so the rollouts are
+    # the same; the gradient sums in another order, and the numbers agree to fp32 rounding
     flags = cmd[cmd.index("--preset=demo") :]
     assert (
         chat_rl.main(
@@ -238,8 +243,9 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
         load_file(os.path.join(folder, "step_000002", "model.safetensors"))
         for folder in (tmp_path / "one", out)
     )
-    # (AdamW's first steps move a weight by about lr whatever its gradient's size, so a gradient near 0 that rounds
-    # to the other sign moves it the other way: a few weights apart by a share of one step, the rest alike)
+    # (AdamW's first steps move a weight by about lr whatever its gradient's size, so a gradient
+    # near 0 that rounds to the other sign moves it the other way: a few weights apart by a share of
+    # one step, the rest alike)
     assert one.keys() == two.keys()
     for k in one:
         apart, moved = (one[k] - two[k]).abs(), (one[k] - start[k]).abs().max()
@@ -249,8 +255,9 @@ def test_torchrun_two_ranks_train_the_demo_on_their_own_problems_to_identical_we
 def test_eval_only_writes_one_eval_row_and_no_checkpoint_and_two_ranks_give_one_process_figures(
     tmp_path,
 ):
-    # each held-out problem samples from its own stream (its index in the eval set), so splitting the problems
-    # over ranks changes no figure beyond fp32 summation order (the figures are rounded to 4 digits)
+    # each held-out problem samples from its own stream (its index in the eval set), so
+    # splitting the problems over ranks changes no figure beyond fp32 summation order (the
+    # figures are rounded to 4 digits)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = [
         "--preset=demo",

@@ -1,5 +1,6 @@
-"""torchrun --max-restarts: a rank dies, torchrun restarts the group with the same command line, and
-the run continues from its last complete checkpoint by itself to the weights of an uninterrupted run."""
+"""torchrun --max-restarts: a rank dies, torchrun restarts the group with the same command line,
+and the run continues from its last complete checkpoint by itself to the weights of an
+uninterrupted run."""
 
 import os
 import subprocess
@@ -11,8 +12,8 @@ from safetensors.torch import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# chat_rl under torchrun; in the first launch, before any restart, rank 1 SIGKILLs itself right after the
-# checkpoint of step KILL_AFTER is complete on every rank, as a preempted node would die
+# chat_rl under torchrun; in the first launch, before any restart, rank 1 SIGKILLs itself right
+# after the checkpoint of step KILL_AFTER is complete on every rank, as a preempted node would die
 RUNNER = r"""
 import os, signal, sys
 import chat_rl
@@ -21,7 +22,8 @@ kill_after = int(os.environ["KILL_AFTER"])
 save = checkpoint.save
 def hooked(cfg, step, *args, **kwargs):
     save(cfg, step, *args, **kwargs)
-    if step == kill_after and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ["RANK"] == "1":
+    first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    if step == kill_after and first_launch and os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.save = hooked
 sys.exit(chat_rl.main())

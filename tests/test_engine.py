@@ -1,4 +1,5 @@
-"""The KV-cached engine: same answers as a plain forward pass, batched or not, seeded, independent rows."""
+"""The KV-cached engine: same answers as a plain forward pass, batched or not, seeded,
+independent rows."""
 
 import pytest
 import torch
@@ -32,9 +33,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def wide_model(model):
-    """The same shape with wide random weights: its greedy continuations depend on the whole prompt. (The
-    small-init model above repeats its last token whatever came before it, so its greedy output cannot
-    tell an engine that attends to the prompt from one that does not.)"""
+    """The same shape with wide random weights: its greedy continuations depend on the whole
+    prompt. (The small-init model above repeats its last token whatever came before it, so its
+    greedy output cannot tell an engine that attends to the prompt from one that does not.)"""
     wide = GPT(model.config).init_weights(3).eval()
     torch.manual_seed(0)
     with torch.no_grad():
@@ -101,7 +102,7 @@ def test_same_seed_same_samples_other_seed_other_samples(model):
 
 
 def test_results_are_prompt_major_with_mask_1_on_the_sampled_tokens(wide_model):
-    # rows 3i .. 3i+2 are prompt i's samples: the prompt (mask 0), then the tokens sampled after it (mask 1)
+    # rows 3i .. 3i+2 are prompt i's samples: the prompt (mask 0), then the tokens sampled (mask 1)
     tok = ByteTokenizer()
     seqs, masks = Engine(wide_model, tok).generate_batch(
         PROMPTS, num_samples=3, max_new_tokens=4, temperature=1.0, seed=3
@@ -111,8 +112,8 @@ def test_results_are_prompt_major_with_mask_1_on_the_sampled_tokens(wide_model):
         for seq, mask in zip(seqs[3 * i : 3 * i + 3], masks[3 * i : 3 * i + 3]):
             assert seq[: len(prompt)] == prompt and len(seq) - len(prompt) <= 4
             assert mask == [0] * len(prompt) + [1] * (len(seq) - len(prompt))
-    # and the tokens after prompt i were sampled from prompt i's distribution: at top-k 1 every row of a
-    # group is its prompt's greedy continuation (the prompts' continuations all differ)
+    # and the tokens after prompt i were sampled from prompt i's distribution: at top-k 1 every
+    # row of a group is its prompt's greedy continuation (the prompts' continuations all differ)
     top1, _ = Engine(wide_model, tok).generate_batch(
         PROMPTS, num_samples=3, max_new_tokens=6, temperature=1.0, top_k=1, seed=3
     )
@@ -169,7 +170,8 @@ def test_top_k_one_is_greedy(model):
 
 
 def frequent_stop_tokenizer(model):
-    """A tokenizer whose stop token is the one the model samples most at temperature 1.5: rows stop early, at different positions."""
+    """A tokenizer whose stop token is the one the model samples most at temperature 1.5:
+    rows stop early, at different positions."""
     free, _ = Engine(model, NoStopTokenizer()).generate_batch(
         PROMPTS, num_samples=4, max_new_tokens=30, temperature=1.5, seed=2
     )
@@ -198,7 +200,7 @@ def test_compacting_the_batch_at_every_position_changes_no_row(model):
 
 
 def test_compaction_moves_only_finished_front_rows_and_keeps_every_live_row():
-    # live rows fill the first n_live slots; a live row already there stays put; only holes are written
+    # live rows fill the first n_live slots; a live row already there stays; only holes are written
     gen = torch.Generator().manual_seed(0)
     for n in [1, 2, 5, 16, 33]:
         for _ in range(20):
@@ -222,7 +224,8 @@ def test_compaction_moves_only_finished_front_rows_and_keeps_every_live_row():
 
 
 def test_top_k_sampling_stays_within_the_top_k(model):
-    # every sampled token is among the k likeliest at its position (the logits recomputed without the cache)
+    # every sampled token is among the k likeliest at its position
+    # (the logits recomputed without the cache)
     seqs, masks = Engine(model, NoStopTokenizer()).generate_batch(
         PROMPTS, num_samples=2, max_new_tokens=6, temperature=2.0, top_k=3, seed=4
     )
@@ -233,8 +236,9 @@ def test_top_k_sampling_stays_within_the_top_k(model):
 
 
 def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_token(model):
-    # generate_batch runs under no_grad, not inference_mode: only then does autocast keep the bf16 copy of each
-    # fp32 weight for the rest of the call (on a GPU, one cast kernel per weight per decode pass otherwise)
+    # generate_batch runs under no_grad, not inference_mode: only then does autocast keep the
+    # bf16 copy of each fp32 weight for the rest of the call (on a GPU, one cast kernel per
+    # weight per decode pass otherwise)
     weight_shapes = {
         tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)
     }
@@ -257,9 +261,10 @@ def test_under_autocast_each_weight_is_cast_once_per_call_not_once_per_token(mod
 
 
 def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
-    # the casts kept for a call (no_grad) leave with their autocast block, as chat_rl's loop relies on: the
-    # rollout after an optimizer step (outside the block) decodes with the new weights. Untied head: only
-    # the cast lm_head changes (inside one block the stale copy would keep the old tokens)
+    # the casts kept for a call (no_grad) leave with their autocast block, as chat_rl's loop
+    # relies on: the rollout after an optimizer step (outside the block) decodes with the new
+    # weights. Untied head: only the cast lm_head changes (inside one block the stale copy would
+    # keep the old tokens)
     config = GPTConfig(
         vocab_size=264,
         hidden_size=64,
@@ -280,7 +285,8 @@ def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
     original = model.lm_head.weight.detach().clone()
     try:
         with torch.no_grad():
-            model.lm_head.weight.zero_()  # the "update": every logit 0, so greedy picks token 0 every time
+            # the "update": every logit 0, so greedy picks token 0 every time
+            model.lm_head.weight.zero_()
         with autocast:
             after, _ = engine.generate_batch(PROMPTS, **kw)
     finally:

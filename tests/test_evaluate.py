@@ -16,7 +16,7 @@ GREEDY_RIGHT = [True, False, False, True]  # not sample 0's verdicts ([False, Tr
 
 
 class ScriptedEngine:
-    """Stands in for Engine.generate: sample s of a problem answers right iff s < its RIGHT count."""
+    """Stands in for Engine.generate: sample s of a problem is right iff s < its RIGHT count."""
 
     model = None  # an Engine's policy: where a stop signal's hook would go (none installed here)
 

@@ -1,12 +1,13 @@
 """
-fast_logprobs (fast/logprobs.py, the loss's default) held to chat_rl.plain_logprobs, the version to read: the same
-log-probs, and through policy_gradient_backward as train() calls it the same loss and gradients, in fp32, within
-1e-6 of each tensor's largest entry. On rollouts with what the loss meets: several prompts of different lengths
-(one of a single token, one shared by two groups), groups whose rewards are unanimous (dropped), tokens forced by
-the calculator (mask 0 inside a completion), several micro-batches, each normaliser, each model family, activation
-checkpointing; and on 2 ranks, replicated and under --fsdp, the ranks running different numbers of passes.
-Also: the shared layout by hand, each prompt run once per micro-batch, and a loss other than the
-one the fast path was told of, which gets its own gradient.
+fast_logprobs (fast/logprobs.py, the loss's default) held to chat_rl.plain_logprobs, the version
+to read: the same log-probs, and through policy_gradient_backward as train() calls it the same
+loss and gradients, in fp32, within 1e-6 of each tensor's largest entry. On rollouts with what
+the loss meets: several prompts of different lengths (one of a single token, one shared by two
+groups), groups whose rewards are unanimous (dropped), tokens forced by the calculator (mask 0
+inside a completion), several micro-batches, each normaliser, each model family, activation
+checkpointing; and on 2 ranks, replicated and under --fsdp, the ranks running different numbers
+of passes. Also: the shared layout by hand, each prompt run once per micro-batch, and a loss
+other than the one the fast path was told of, which gets its own gradient.
 """
 
 import os
@@ -60,9 +61,10 @@ def model_for(family, seed=0):
 
 
 def rollouts(seed, num_groups=5):
-    """Prompt-major (sequences, masks, advantages): prompts of 1, 3 or 8 tokens (group 2 repeats group 0's),
-    completions of 1, 4 or 9 tokens, the third token of a longer one forced by the calculator (mask 0);
-    group 1 unanimously right and group 3 unanimously wrong, both dropped by the loss."""
+    """Prompt-major (sequences, masks, advantages): prompts of 1, 3 or 8 tokens (group 2 repeats
+    group 0's), completions of 1, 4 or 9 tokens, the third token of a longer one forced by the
+    calculator (mask 0); group 1 unanimously right and group 3 unanimously wrong, both dropped
+    by the loss."""
     rng = random.Random(seed)
     sequences, masks, rewards, prompts = [], [], [], []
     for g in range(num_groups):
@@ -100,8 +102,8 @@ def grads(model):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation checkpointing"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_fast_log_probs_and_their_gradients_are_the_plain_ones(family, checkpointing):
-    # any loss, by autograd (loss_grad None: the head projected again in the backward pass), and the loss it was
-    # told of (loss_grad given: the head's gradients made in the forward pass)
+    # any loss, by autograd (loss_grad None: the head projected again in the backward pass), and
+    # the loss it was told of (loss_grad given: the head's gradients made in the forward pass)
     sequences, masks, _ = rollouts(seed=0)
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(1)) * (
@@ -135,7 +137,11 @@ def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(famil
     results = {}
     for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
         model, calls = model_for(family), []
-        counted = lambda *args, **kwargs: calls.append(1) or logprobs(*args, **kwargs)  # noqa: E731
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return logprobs(*args, **kwargs)
+
         loss, tokens = chat_rl.policy_gradient_backward(
             model,
             sequences,
@@ -163,12 +169,12 @@ def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(famil
 
 
 def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampler_does():
-    # an embedding padded past the tokenizer's vocabulary (Qwen2.5's, the demo's): those rows are never sampled
-    # (engine.py slices the logits to tokenizer.vocab_size), so the loss's distribution leaves them out too
+    # an embedding padded past the tokenizer's vocabulary (Qwen2.5's, the demo's): those rows
+    # are never sampled (engine.py slices the logits to tokenizer.vocab_size), so the loss's
+    # distribution leaves them out too
     sequences, masks, advantages = rollouts(seed=5)
-    sequences = [
-        [token % 60 for token in seq] for seq in sequences
-    ]  # every token within the tokenizer's 60
+    # every token within the tokenizer's 60
+    sequences = [[token % 60 for token in seq] for seq in sequences]
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     model = model_for("qwen2 (qkv bias, untied head)")
     with torch.no_grad():
@@ -208,9 +214,9 @@ def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampl
 
 
 def random_rollouts(rng, num_groups, num_samples):
-    """Prompt-major rollouts with the loss's edge cases: a prompt of one token, the same prompt in two groups,
-    empty or one-token completions, unsampled tokens inside a completion, a row with no sampled token at all,
-    a row sampled from position 0."""
+    """Prompt-major rollouts with the loss's edge cases: a prompt of one token, the same prompt
+    in two groups, empty or one-token completions, unsampled tokens inside a completion, a row
+    with no sampled token at all, a row sampled from position 0."""
     sequences, masks, prompts = [], [], []
     for _ in range(num_groups):
         prompt = (
@@ -271,7 +277,8 @@ def test_on_random_edge_cases_the_fast_path_gives_the_plain_loss_and_gradients(t
 
 
 def test_the_shared_layout_by_hand():
-    # rows 0 and 1 share prompt [5, 6, 7]; row 2 has prompt [5] (an empty prefix); row 3 has no sampled token
+    # rows 0 and 1 share prompt [5, 6, 7]; row 2 has prompt [5] (an empty prefix);
+    # row 3 has no sampled token
     sequences = [[5, 6, 7, 8, 9], [5, 6, 7, 4], [5, 3], [1, 2]]
     masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 1], [0, 0]]
     ids, lengths, row_prefix, inputs, targets = make_shared_batch(
@@ -288,12 +295,12 @@ def test_the_shared_layout_by_hand():
 
 
 def test_the_loss_runs_each_prompt_once_per_micro_batch():
-    # 2 prompts x 4 samples, one micro-batch: the model embeds one flat sequence without padding, each prompt less
-    # its last token once, then each row's own tokens (that last token + its completion less its last token)
+    # 2 prompts x 4 samples, one micro-batch: the model embeds one flat sequence without padding,
+    # each prompt less its last token once, then each row's own tokens (that last token + its
+    # completion less its last token)
     sequences, masks, _ = rollouts(seed=3, num_groups=2)
-    masks = [
-        [0] * m.index(1) + [1] * (len(m) - m.index(1)) for m in masks
-    ]  # no forced token: rows end at a target
+    # no forced token: rows end at a target
+    masks = [[0] * m.index(1) + [1] * (len(m) - m.index(1)) for m in masks]
     advantages = torch.tensor([0.5, -0.5, 0.25, -0.25] * 2)
     model = model_for("llama (GQA, tied head)")
     embedded = []

@@ -1,9 +1,10 @@
 """
---fsdp and --activation-checkpointing. Two CPU ranks under gloo (spawned, as in test_distributed.py):
-a sharded model's summed gradient equals one process's over the union of the ranks' groups, also when
-the ranks run different numbers of micro-batches or one keeps no rows; the gradient norm is the global
-one; rollouts all-gather once; the per-rank state is about half; checkpoints of shards load in
-transformers and into a replicated run (and back). Then whole runs under torchrun.
+--fsdp and --activation-checkpointing. Two CPU ranks under gloo (spawned, as in
+test_distributed.py): a sharded model's summed gradient equals one process's over the union of
+the ranks' groups, also when the ranks run different numbers of micro-batches or one keeps no
+rows; the gradient norm is the global one; rollouts all-gather once; the per-rank state is about
+half; checkpoints of shards load in transformers and into a replicated run (and back). Then
+whole runs under torchrun.
 """
 
 import copy
@@ -42,8 +43,8 @@ def model_for_test():
 
 
 def groups_for(rank, live_groups):
-    """This rank's rollouts: two groups of two samples, the first `live_groups` of them with a reward
-    difference (advantages +-0.5), the others unanimous (skipped before any forward pass)."""
+    """This rank's rollouts: two groups of two samples, the first `live_groups` of them with a
+    reward difference (advantages +-0.5), the others unanimous (skipped before any forward pass)."""
     g = torch.Generator().manual_seed(rank)
     seqs, masks = [], []
     for _ in range(2 * NUM_SAMPLES):
@@ -112,11 +113,11 @@ def _worker(rank, world, init_file, out_dir):
     out["all-gathers without"] = len(calls) - sum(out["all-gathers"])
     dist.all_gather_single = all_gather
 
-    # checkpoints: the Hugging Face weights from shards, the optimizer shards into a whole model and back
+    # checkpoints: the Hugging Face weights from shards, the optimizer shards into a whole model
+    # and back
     fsdp.save_weights(model, out_dir, rank)
-    state = full(
-        model.state_dict()
-    )  # the checkpoint's tensors: the fused Linears split into their parts
+    # the checkpoint's tensors: the fused Linears split into their parts
+    state = full(model.state_dict())
     out["weights"] = {
         name: state[own] if rows is None else state[own][rows]
         for name, own, rows in model.hf_layout()
@@ -211,10 +212,9 @@ def test_rollout_all_gathers_once_per_unit_not_per_forward(ranks):
 
 def test_sharded_state_is_about_half_per_rank(ranks):
     for r in range(2):
-        ratio = ranks[1][r]["sharded state bytes"] / ranks[1][r]["whole state bytes"]
-        print(
-            f"rank {r}: {ranks[1][r]['sharded state bytes']} of {ranks[1][r]['whole state bytes']} bytes ({ratio:.3f})"
-        )
+        sharded, whole = ranks[1][r]["sharded state bytes"], ranks[1][r]["whole state bytes"]
+        ratio = sharded / whole
+        print(f"rank {r}: {sharded} of {whole} bytes ({ratio:.3f})")
         assert 0.45 < ratio < 0.55
 
 
@@ -275,12 +275,9 @@ def test_activation_checkpointing_stays_off_outside_training():
         assert torch.equal(model(idx), GPT(GPTConfig(**CONFIG)).init_weights(0)(idx))
 
 
-# ---- whole runs: torchrun, 2 CPU ranks, the demo model (its groups disagree, so every step trains) -----------
-TIMING_KEYS = {
-    "rollout_tokens_per_s",
-    "step_time_s",
-    "eval_time_s",
-}  # wall-clock, the only values allowed to differ
+# ---- whole runs: torchrun, 2 CPU ranks, the demo model (its groups disagree: each step trains) ---
+# wall-clock, the only values allowed to differ
+TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}
 ARGS = [
     "--preset=demo",
     "--device-type=cpu",
@@ -293,8 +290,8 @@ ARGS = [
     "--eval-samples=2",
 ]
 
-# chat_rl under torchrun; rank 1 SIGKILLs itself when the train row of step KILL_AT is logged (every rank
-# calls MetricsLog.write; only rank 0 writes), as a node that dies mid-run
+# chat_rl under torchrun; rank 1 SIGKILLs itself when the train row of step KILL_AT is logged
+# (every rank calls MetricsLog.write; only rank 0 writes), as a node that dies mid-run
 RUNNER = r"""
 import os, signal, sys
 import chat_rl
@@ -362,7 +359,8 @@ def test_fsdp_run_ends_where_the_replicated_run_ends(runs):
         next(r["state_mib"] for r in reversed(m) if "state_mib" in r) for m in (ddp, sharded)
     )
     print(
-        f"rank 0 weights + grads + AdamW: {replicated:.3f} MiB replicated, {per_shard:.3f} MiB sharded"
+        f"rank 0 weights + grads + AdamW: {replicated:.3f} MiB replicated, "
+        f"{per_shard:.3f} MiB sharded"
     )
     assert 0.45 < per_shard / replicated < 0.55
 

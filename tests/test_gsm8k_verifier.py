@@ -202,10 +202,11 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     assert answer is None or isinstance(answer, str)
 
 
-# ---- verdicts, as properties over random numbers ----------------------------------------------------
+# ---- verdicts, as properties over random numbers -------------------------------------------------
 @st.composite
 def numbers(draw):
-    """(value, plain): a random decimal number as a Fraction and as a plain '-?digits(.digits)?' string."""
+    """(value, plain): a random decimal number, as a Fraction and as a plain
+    '-?digits(.digits)?' string."""
     whole, frac, negative = (
         draw(st.integers(0, 10**9)),
         draw(st.text("0123456789", max_size=3)),
@@ -219,7 +220,8 @@ def numbers(draw):
 
 @st.composite
 def written(draw, value_and_plain):
-    """The number as the verifier accepts it after its marker: sign, $, **, thousands groups, zeros, units."""
+    """The number as the verifier accepts it after its marker:
+    sign, $, **, thousands groups, zeros, units."""
     value, _ = value_and_plain
     whole, frac = divmod(abs(value), 1)
     digits = (

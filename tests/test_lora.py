@@ -1,6 +1,7 @@
-"""LoRA (policy/lora.py) on tiny random Qwen2 / Qwen3 / Llama models that transformers makes: the start is the base
-bit for bit, only the adapters train, the merged checkpoint and the PEFT folder load elsewhere with the same logits,
---model takes a PEFT folder, and runs resume bit for bit and agree on 2 ranks."""
+"""LoRA (policy/lora.py) on tiny random Qwen2 / Qwen3 / Llama models that transformers makes: the
+start is the base bit for bit, only the adapters train, the merged checkpoint and the PEFT folder
+load elsewhere with the same logits, --model takes a PEFT folder, and runs resume bit for bit and
+agree on 2 ranks."""
 
 import json
 import os
@@ -29,14 +30,15 @@ FAMILIES = ["qwen2", "qwen3", "llama"]
 
 
 def base_folder(tmp_path, family):
-    """A random model of the family saved by transformers, with a tokenizer's files beside it (chat_rl loads both)."""
+    """A random model of the family saved by transformers, with a tokenizer's files beside it
+    (chat_rl loads both)."""
     path, hf = hf_ckpt.save_hf_model(tmp_path, family)
     ByteTokenizer().save_pretrained(path)
     return path, hf
 
 
 def with_trained_adapters(model, rank=4, seed=1, **kwargs):
-    """Adapters as training might leave them: B no longer zero, so every adapter changes the model."""
+    """Adapters as training might leave them: B nonzero, so every adapter changes the model."""
     lora.add_adapters(model, rank, 8.0, seed=seed, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The training log-prob pass: chunked over tokens, same NLL and gradients, never all (tokens, vocab) logits at once."""
+"""The training log-prob pass: chunked over tokens, same NLL and gradients, never all
+(tokens, vocab) logits at once."""
 
 import math
 
@@ -64,7 +65,8 @@ def test_chunked_nll_and_gradients_equal_the_unchunked_computation():
 
 
 def test_backward_keeps_no_full_logit_tensor():
-    # the shapes of all tensors autograd saves for backward: with chunks of 8 tokens, no (tokens, vocab) one holds more
+    # the shapes of all tensors autograd saves for backward: with chunks of 8 tokens, no
+    # (tokens, vocab) one holds more
     idx, targets = batch()
 
     def saved_logit_rows(loss_fn):
@@ -98,8 +100,9 @@ def test_without_autograd_the_loss_is_the_same():
 
 
 def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
-    # the GPU path: logits made in bf16 (forward and the backward's recompute alike), NLL in fp32; the chunked
-    # backward runs its matmuls in fp32 where autograd ran them in bf16, so gradients agree to bf16 precision
+    # the GPU path: logits made in bf16 (forward and the backward's recompute alike), NLL in fp32;
+    # the chunked backward runs its matmuls in fp32 where autograd ran them in bf16, so gradients
+    # agree to bf16 precision
     idx, targets = batch()
     results = []
     for chunked in (True, False):
@@ -118,11 +121,11 @@ def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
         assert (grad_a[name] - grad_b[name]).abs().max() <= 3e-2 * grad_b[name].abs().max(), name
 
 
-def test_log_probs_told_their_gradient_give_the_weighted_nlls_value_and_gradients_and_project_once():
-    # fast_logprobs' head (SampledLogprobs): log-probs whose gradients, for the loss_grad it is told, are made in the
-    # forward pass; the loss sum of weight * NLL through it equals the per-token NLL weighted afterwards, at a
-    # temperature, in chunks (62 targets, 7 per chunk), and under bf16 autocast to bf16 precision; its backward pass
-    # makes no (tokens, vocab) matmul
+def test_log_probs_told_their_gradient_give_the_weighted_nlls_value_and_grads_and_project_once():
+    # fast_logprobs' head (SampledLogprobs): log-probs whose gradients, for the loss_grad it is
+    # told, are made in the forward pass; the loss sum of weight * NLL through it equals the
+    # per-token NLL weighted afterwards, at a temperature, in chunks (62 targets, 7 per chunk), and
+    # under bf16 autocast to bf16 precision; its backward pass makes no (tokens, vocab) matmul
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class LogitMatmuls(TorchDispatchMode):
@@ -206,10 +209,11 @@ def test_log_probs_told_another_gradient_make_the_head_gradients_again_for_what_
 
 
 def test_the_mlp_keeps_its_gate_up_output_not_silu_of_it_and_has_autograds_gradients():
-    # what the MLP's backward keeps, weights aside: its input (N, C), the fused gate/up output (N, 2I) and down_proj's
-    # input (N, I); autograd's silu(gate) * up would keep silu(gate), N x I more
+    # what the MLP's backward keeps, weights aside: its input (N, C), the fused gate/up output
+    # (N, 2M) and down_proj's input (N, M); autograd's silu(gate) * up would also keep
+    # silu(gate), N x M more
     mlp = small_model().model.layers[0].mlp
-    N, C, I = 10, 32, 64
+    N, C, M = 10, 32, 64  # tokens, model width, MLP width
     x = torch.randn(N, C, generator=torch.Generator().manual_seed(0), requires_grad=True)
     weights = {p.data_ptr() for p in mlp.parameters()}
     saved = {}
@@ -220,7 +224,7 @@ def test_the_mlp_keeps_its_gate_up_output_not_silu_of_it_and_has_autograds_gradi
         lambda t: t,
     ):
         y = mlp(x)
-    assert sum(n for ptr, n in saved.items() if ptr not in weights) == N * (C + 2 * I + I) * 4
+    assert sum(n for ptr, n in saved.items() if ptr not in weights) == N * (C + 2 * M + M) * 4
     grad = torch.randn(N, C, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(y, [x, mlp.gate_up_proj.weight, mlp.down_proj.weight], grad)
     gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)

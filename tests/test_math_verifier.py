@@ -506,7 +506,7 @@ def test_fuzz_grade_never_raises_and_is_deterministic(completion, reference):
     assert isinstance(mathtask.format_ok(completion), bool)
 
 
-# ---- verdicts, as properties over random numbers ----------------------------------------------------
+# ---- verdicts, as properties over random numbers -------------------------------------------------
 rationals = st.one_of(
     st.integers(-(10**7), 10**7).map(Fraction),
     st.builds(Fraction, st.integers(-(10**7), 10**7), st.integers(1, 64)),
@@ -522,7 +522,8 @@ def as_latex(q):
 
 @st.composite
 def equivalent_forms(draw, q):
-    """q written in one of the forms the verifier takes for the same number, inside one of the boxes it reads."""
+    """q written in one of the forms the verifier takes for the same number, inside one of the
+    boxes it reads."""
     sign = draw(st.sampled_from(["-", "\u2212"])) if q < 0 else ""
     n, d = abs(q.numerator), q.denominator
     forms = []
@@ -670,7 +671,10 @@ def test_no_verifier_executes_model_text(monkeypatch, tmp_path):
 
     # sympify / parse_expr turn text into Python: refused outright. eval / exec are refused on
     # anything carrying the payloads' fingerprints (sympy exec()s polynomial code it writes itself).
-    tainted = lambda text: any(t in text for t in ("__import__", "pwned", "__class__", "lambda"))
+
+    def tainted(text):
+        return any(t in text for t in ("__import__", "pwned", "__class__", "lambda"))
+
     monkeypatch.setattr(builtins, "eval", refuse_strings(builtins.eval, tainted))
     monkeypatch.setattr(builtins, "exec", refuse_strings(builtins.exec, tainted))
     for mod in [

@@ -1,4 +1,5 @@
-"""tasks/mental: the offline task a real chat model learns on. Its verifier binds the reply's last number."""
+"""tasks/mental: the offline task a real chat model learns on.
+Its verifier binds the reply's last number."""
 
 import time
 

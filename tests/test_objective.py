@@ -1,8 +1,9 @@
 """
-The objective chat_rl optimises, pinned on small batches: the loss's log-probs are those of the distribution
-the rollout sampled from, softmax(logits / temperature), through the chunked log-prob pass and the shared
-prompt layout; and each --loss-norm divides by what its name says, with unanimous groups dropped before any
-forward pass (for all_tokens and sequence a pure saving: the gradient is that of every row run).
+The objective chat_rl optimises, pinned on small batches: the loss's log-probs are those of the
+distribution the rollout sampled from, softmax(logits / temperature), through the chunked log-prob
+pass and the shared prompt layout; and each --loss-norm divides by what its name says, with
+unanimous groups dropped before any forward pass (for all_tokens and sequence a pure saving: the
+gradient is that of every row run).
 """
 
 import inspect
@@ -54,7 +55,8 @@ def assert_same_grads(a, b):
 
 
 def direct_logp(model, inputs, targets, temperature):
-    """log_softmax(logits / temperature) of every target, straight from all the logits; 0 where target is -1."""
+    """log_softmax(logits / temperature) of every target, straight from all the logits;
+    0 where target is -1."""
     logp = torch.log_softmax(model(inputs) / temperature, dim=-1).gather(
         -1, targets.clamp(min=0)[..., None]
     )[..., 0]
@@ -100,7 +102,8 @@ def rollouts(seed=0, num_groups=4):
                 0, V, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen
             ).tolist()
             sequences.append(prompt + completion)
-            # every third token after the first forced by a tool (mask 0): inside the completion, never a target
+            # every third token after the first forced by a tool (mask 0): inside the completion,
+            # never a target
             masks.append([0] * len(prompt) + [int(j % 3 != 1) for j in range(len(completion))])
     return sequences, masks
 
@@ -129,17 +132,19 @@ def reference_backward(model, sequences, masks, advantages, loss_norm, temperatu
 
 @pytest.mark.parametrize("loss_norm", NORMS)
 def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm, monkeypatch):
-    # policy_gradient_backward as train() calls it at --temperature=0.7: shared prompts, two micro-batches,
-    # the log-prob pass in chunks of 3 tokens; against every row whole, straight from the logits
+    # policy_gradient_backward as train() calls it at --temperature=0.7: shared prompts,
+    # two micro-batches, the log-prob pass in chunks of 3 tokens; against every row whole,
+    # straight from the logits
     sequences, masks = rollouts()
     advantages = chat_rl.compute_advantages(REWARDS, NUM_SAMPLES)
     model, reference = small_model(), small_model()
     monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 3 * V)  # the head in chunks of 3 tokens
     passes, fast = [], logprobs.fast_logprobs
-    counted = lambda model, inputs, targets, temperature, **kw: (
+
+    def counted(model, inputs, targets, temperature, **kw):
         passes.append(((targets >= 0).sum(), temperature))
-        or fast(model, inputs, targets, temperature, **kw)
-    )  # noqa: E731
+        return fast(model, inputs, targets, temperature, **kw)
+
     loss, tokens = chat_rl.policy_gradient_backward(
         model,
         sequences,
@@ -162,7 +167,7 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
 
 
 class LinearNLLModel(torch.nn.Module):
-    """Test double: log p of target token t is -w * t (0 where ignored); counts the rows it is given."""
+    """Test double: log p of target token t is -w * t (0 where ignored); counts the rows it gets."""
 
     def __init__(self):
         super().__init__()
@@ -176,7 +181,8 @@ def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_s
     return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 
 
-# group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5]; groups 1 and 2 unanimous
+# group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5];
+# groups 1 and 2 unanimous
 HAND_SEQS = [
     [9, 9, 1, 2, 3],
     [9, 9, 4, 5],
@@ -238,7 +244,8 @@ def test_kept_tokens_is_all_tokens_scaled_by_all_over_kept():
     )
 
 
-# ---- two ranks, each with a group that carries signal and a unanimous one: every normaliser counts both ranks' rows
+# ---- two ranks, each with a group that carries signal and a unanimous one ------------------------
+# every normaliser counts both ranks' rows
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)

@@ -72,7 +72,10 @@ def test_gsm8k_without_network_fails_in_seconds_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_math_without_network_fails_in_seconds_with_one_line(tmp_path, split):
-    code = f"from tasks import mathtask\ntry:\n    mathtask.load({split!r})\nexcept RuntimeError as e:\n    print(e)"
+    code = (
+        f"from tasks import mathtask\ntry:\n    mathtask.load({split!r})\n"
+        "except RuntimeError as e:\n    print(e)"
+    )
     result, seconds = run_without_network(tmp_path, ["-c", code])
     out = result.stdout.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("could not load") and "--preset=demo" in out[0], (

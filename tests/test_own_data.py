@@ -1,6 +1,7 @@
-"""Your own rows and reward without editing code: --data files (JSONL, Parquet, CSV, a folder, a hub data set from a
-local cache), the generic task's columns and --reward, a task from a module or a file, resume on other rows. The rows
-are written here: arithmetic word problems in a schema that is not GSM8K's (q, sol as an int, level)."""
+"""Your own rows and reward without editing code: --data files (JSONL, Parquet, CSV, a folder, a
+hub data set from a local cache), the generic task's columns and --reward, a task from a module or
+a file, resume on other rows. The rows are written here: arithmetic word problems in a schema that
+is not GSM8K's (q, sol as an int, level)."""
 
 import json
 import os
@@ -22,7 +23,8 @@ LEVELS = ["easy", "medium", "easy", "hard"]
 
 
 def own_rows(split, n):
-    """arith's problems as a user's file might hold them: another schema, the answer an int, a metadata column."""
+    """arith's problems as a user's file might hold them: another schema, the answer an int,
+    a metadata column."""
     return [
         {"q": r["question"], "sol": int(r["answer"].rsplit("#### ", 1)[1]), "level": LEVELS[i % 4]}
         for i, r in enumerate(arith.load(split, limit=n))
@@ -45,7 +47,8 @@ OWN = ["--prompt-column=q", "--answer-column=sol"]
 
 
 def write(path, rows):
-    """rows to a .jsonl, .parquet or .csv file, by the name's extension (the writers are datasets' own)."""
+    """rows to a .jsonl, .parquet or .csv file, by the name's extension
+    (the writers are datasets' own)."""
     from datasets import Dataset
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -84,7 +87,8 @@ def test_a_users_file_in_any_format_trains_and_evaluates(extension, tmp_path):
         r["reward_errors"] == 0 for r in eval_rows
     )  # the demo model gets some right
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
-    # the prompts are the q column, the references the sol column read as GSM8K's verifier reads a bare number
+    # the prompts are the q column, the references the sol column read as GSM8K's verifier reads a
+    # bare number
     assert [s["question"] for s in samples[:3]] == [r["q"] for r in TEST[:3]]
     assert [s["reference"] for s in samples[:3]] == [str(r["sol"]) for r in TEST[:3]]
     assert all(
@@ -127,7 +131,8 @@ def test_a_reward_function_receives_the_whole_row(tmp_path):
     )
     assert code == 0
     seen = [json.loads(line) for line in open(log)]
-    # every completion's reward saw its row, every column of it: 2 evals x 4 problems x (2 samples + greedy), 2 steps x 2 x 4
+    # every completion's reward saw its row, every column of it:
+    # 2 evals x 4 problems x (2 samples + greedy), 2 steps x 2 x 4
     assert len(seen) == 2 * 4 * 3 + 2 * 2 * 4
     assert all(row in TRAIN + TEST for row in seen) and {row["level"] for row in seen} == {
         "easy",
@@ -394,13 +399,20 @@ BUILD_CACHE_AND_TRAIN = """
 import json, os, shutil, sys
 import datasets
 from datasets.packaged_modules.json.json import Json
-# what load_dataset('me/own_problems', config) leaves in the cache after a download, built from local files: two
-# configurations, "other" (the test rows reversed) written last, which datasets would take were none named
+# what load_dataset('me/own_problems', config) leaves in the cache after a download, built from
+# local files: two configurations, "other" (the test rows reversed) written last, which datasets
+# would take were none named
 for config, order in (("small", 1), ("other", -1)):
-    files = {split: os.path.abspath(f"{split}.jsonl" if order > 0 else f"{split}_reversed.jsonl") for split in ("train", "test")}
-    builder = Json(cache_dir="build", dataset_name="own_problems", config_name=config, data_files=files)
+    suffix = "" if order > 0 else "_reversed"
+    files = {split: os.path.abspath(f"{split}{suffix}.jsonl") for split in ("train", "test")}
+    builder = Json(
+        cache_dir="build", dataset_name="own_problems", config_name=config, data_files=files
+    )
     builder.download_and_prepare()
-    shutil.copytree(builder.cache_dir, os.path.join(datasets.config.HF_DATASETS_CACHE, "me___own_problems", config, "0.0.0", "0"))
+    cached = os.path.join(
+        datasets.config.HF_DATASETS_CACHE, "me___own_problems", config, "0.0.0", "0"
+    )
+    shutil.copytree(builder.cache_dir, cached)
 import chat_rl
 sys.exit(chat_rl.main(sys.argv[1:]))
 """
@@ -481,7 +493,8 @@ def test_two_ranks_train_a_users_rows_to_the_weights_of_one_process(tmp_path):
         metrics(tmp_path / "two"),
         metrics(tmp_path / "one"),
     )
-    # each problem samples from its own stream: the same completions, the same rewards and evals on 1 or 2 ranks
+    # each problem samples from its own stream: the same completions, the same rewards and evals
+    # on 1 or 2 ranks
     for two, one in zip(two_train + two_eval, one_train + one_eval):
         for key in {
             "reward",

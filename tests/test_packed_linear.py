@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def pack_every_linear(monkeypatch):
-    """MIN_WEIGHT 0: the tests' small Linears packed too; returns the count of packed matmuls run."""
+    """MIN_WEIGHT 0: the tests' small Linears packed too; returns how many packed matmuls ran."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     calls, plain = [0], packed_linear.packed_forward
 

@@ -72,7 +72,7 @@ def test_plot_panels(tmp_path):
     for ax in fig.axes:  # a 4-step run: ticks at whole steps only, not 0.5, 1.5, ...
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(t == int(t) for t in ticks), ticks
-    # truncation 0 throughout: the axis runs from 0 to 1 (a fraction), not matplotlib's +-0.04 around 0
+    # truncation 0 throughout: the axis runs 0 to 1 (a fraction), not matplotlib's +-0.04 around 0
     low, high = truncated.get_ylim()
     assert -0.05 < low < 0 and high == 1.0
     # train reward: each run's raw line (faint) and its running mean (labelled, opaque)
@@ -83,7 +83,8 @@ def test_plot_panels(tmp_path):
     raw, smooth = reward.lines[:2]
     assert raw.get_alpha() < 0.5 and smooth.get_alpha() is None
     assert list(smooth.get_ydata()) == pytest.approx([0.5, 0.55, 0.6, 0.65])
-    # pass@1 solid (the run's one legend entry), pass@2 dashed, greedy dotted where rows carry it (run a only)
+    # pass@1 solid (the run's one legend entry), pass@2 dashed,
+    # greedy dotted where rows carry it (run a only)
     styles = [(line.get_label(), line.get_linestyle()) for line in passk.lines]
     assert [(label, style) for label, style in styles if not label.startswith("_")] == [
         ("a", "-"),

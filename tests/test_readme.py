@@ -1,5 +1,5 @@
-"""The README's commands are the ones that run: its quick start is what CI runs; docs/checkpoints.md's engine snippet
-runs as pasted."""
+"""The README's commands are the ones that run: its quick start is what CI runs;
+docs/checkpoints.md's engine snippet runs as pasted."""
 
 import os
 import re

@@ -1,7 +1,8 @@
-"""The Engine held to generate_reference, its plain oracle: the same seed gives the same tokens, masks, calls and
-refusals, with and without the calculator, greedy and sampled, with top-k, and with rows that stop at different
-positions and leave the batch. (Both read the same logits up to the last bit, the cache's and the batch's
-rounding: a draw could differ only where u lands that close to a boundary between two tokens.)"""
+"""The Engine held to generate_reference, its plain oracle: the same seed gives the same tokens,
+masks, calls and refusals, with and without the calculator, greedy and sampled, with top-k, and
+with rows that stop at different positions and leave the batch. (Both read the same logits up to
+the last bit, the cache's and the batch's rounding: a draw could differ only where u lands that
+close to a boundary between two tokens.)"""
 
 import itertools
 from collections import Counter
@@ -20,7 +21,8 @@ from tasks.common import conversation
 
 
 def engine_and_reference(model, tokenizer, prompts, tool=None, compact_at=0.125, **kw):
-    """The same arguments to Engine(...).generate and to generate_reference: (fast, plain) Samples."""
+    """The same arguments to Engine(...).generate and to generate_reference:
+    (fast, plain) Samples."""
     fast = Engine(model, tokenizer, compact_at=compact_at, tool=tool).generate(prompts, **kw)
     return fast, generate_reference(model, tokenizer, prompts, tool=tool, **kw)
 
@@ -33,7 +35,8 @@ def first_difference(fast, plain):
                 if not isinstance(x, list):
                     return f"{field}[{row}]: engine {x}, reference {y}"
                 at = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-                return f"{field}[{row}] from index {at}: engine {x[at : at + 6]}, reference {y[at : at + 6]}"
+                x_at, y_at = x[at : at + 6], y[at : at + 6]
+                return f"{field}[{row}] from index {at}: engine {x_at}, reference {y_at}"
     return "no difference"
 
 
@@ -41,7 +44,7 @@ def assert_same(fast, plain):
     assert fast == plain, first_difference(fast, plain)
 
 
-# ---- fixtures: the demo policy on arith problems, and a tiny random model ---------------------------
+# ---- fixtures: the demo policy on arith problems, and a tiny random model ------------------------
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +61,9 @@ def demo():
 
 @pytest.fixture
 def opens_a_call(demo):
-    """The demo policy made to answer with '<' first (1000 on its logit after <|assistant_start|>, a rule on the
-    input alone, so the cached and the plain forward passes get it alike): it then goes on in its calculator
-    style, `<<2*25=50>>`, greedy or sampled."""
+    """The demo policy made to answer with '<' first (1000 on its logit after
+    <|assistant_start|>, a rule on the input alone, so the cached and the plain forward passes
+    get it alike): it then goes on in its calculator style, `<<2*25=50>>`, greedy or sampled."""
     model, tokenizer, _ = demo
     start = tokenizer.special["<|assistant_start|>"]
 
@@ -75,7 +78,8 @@ def opens_a_call(demo):
 
 
 def refuse_25(expression):
-    """The calculator, but refusing any expression with a 25 in it (the demo's first step on problem 0 is 2*25)."""
+    """The calculator, but refusing any expression with a 25 in it
+    (the demo's first step on problem 0 is 2*25)."""
     return None if "25" in expression else calculate(expression)
 
 
@@ -90,8 +94,8 @@ RANDOM_PROMPTS = [[256, 72, 105, 33], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256
 
 @pytest.fixture(scope="module")
 def random_model():
-    """A tiny GPT with wide random weights, and a byte tokenizer whose stop token is the one it samples most at
-    temperature 0.7: its rows stop early, at many different positions."""
+    """A tiny GPT with wide random weights, and a byte tokenizer whose stop token is the one it
+    samples most at temperature 0.7: its rows stop early, at many different positions."""
     torch.manual_seed(0)
     config = GPTConfig(
         vocab_size=264,
@@ -112,11 +116,12 @@ def random_model():
     return model, NoStopTokenizer([generated.most_common(1)[0][0]])
 
 
-# ---- the two rules the reference states plainly ------------------------------------------------------
+# ---- the two rules the reference states plainly --------------------------------------------------
 
 
 def test_the_reference_call_rule_fires_exactly_where_the_automaton_does():
-    # every text of up to 7 characters over the ones that matter to a call, read character by character
+    # every text of up to 7 characters over the ones that matter to a call,
+    # read character by character
     for n in range(1, 8):
         for chars in itertools.product("<=>\na", repeat=n):
             text = "".join(chars)
@@ -125,9 +130,10 @@ def test_the_reference_call_rule_fires_exactly_where_the_automaton_does():
 
 
 def interval_midpoints(logits, temperature, top_k):
-    """(rows, tokens, u): for each row of logits (B, V) and each token whose interval of the exact inverse CDF
-    (float64, vocabulary order, top-k ties kept) holds at least 1e-3 of the total, u at the interval's middle,
-    where float32 rounding of either sampler cannot carry an end of the interval past it."""
+    """(rows, tokens, u): for each row of logits (B, V) and each token whose interval of the
+    exact inverse CDF (float64, vocabulary order, top-k ties kept) holds at least 1e-3 of the
+    total, u at the interval's middle, where float32 rounding of either sampler cannot carry an
+    end of the interval past it."""
     scaled = logits.double() / temperature
     if top_k:
         scaled = scaled.masked_fill(
@@ -144,8 +150,8 @@ def interval_midpoints(logits, temperature, top_k):
 def test_the_engine_sampler_and_the_reference_sampler_draw_the_token_whose_interval_holds_u(
     temperature, top_k
 ):
-    # 600 entries: more than two blocks of the engine's two-level inverse CDF; rows 0-3 tied at their 5th largest,
-    # which sends them down the engine's other top-k path
+    # 600 entries: more than two blocks of the engine's two-level inverse CDF; rows 0-3 tied at
+    # their 5th largest, which sends them down the engine's other top-k path
     logits = torch.randn(16, 600, generator=torch.Generator().manual_seed(0)) * 3
     for row in range(4):
         ranked = torch.topk(logits[row], 6).indices
@@ -165,7 +171,7 @@ def test_at_temperature_0_both_samplers_take_the_argmax():
         assert torch.equal(sample_reference(logits, u, 0.0, top_k), logits.argmax(dim=-1))
 
 
-# ---- the engine against the reference ----------------------------------------------------------------
+# ---- the engine against the reference ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -211,8 +217,9 @@ def test_with_top_k_the_engine_samples_what_the_reference_samples(demo):
 def test_rows_compacted_out_of_the_batch_leave_every_row_as_the_reference_samples_it(
     random_model, compact_at, temperature, top_k, include_stop
 ):
-    # compact_at=0: the engine drops a finished row from its batch and KV cache at the first position it can;
-    # 0.5: half the batch at once, finished rows at its front and at its back, so that running ones move
+    # compact_at=0: the engine drops a finished row from its batch and KV cache at the first
+    # position it can; 0.5: half the batch at once, finished rows at its front and at its back,
+    # so that running ones move
     model, tokenizer = random_model
     fast, plain = engine_and_reference(
         model,

@@ -103,8 +103,8 @@ sys.exit(chat_rl.main(sys.argv[4:]))
 
 @pytest.fixture(scope="module")
 def model_dir():
-    # the demo's model, not a random one: a random model never earns a reward, so every group would be
-    # unanimous, no update would happen, and "the same final weights" would prove nothing
+    # the demo's model, not a random one: a random model never earns a reward, so every group would
+    # be unanimous, no update would happen, and "the same final weights" would prove nothing
     return os.path.join(REPO, "demo_model")
 
 
@@ -159,8 +159,8 @@ def reference(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = launch(args(model_dir, out))
     assert result.returncode == 0, result.stderr[-2000:]
-    # an update at every step, before and after each resume point: what a resumed run must restore (the
-    # optimizer's moments, its step count) shows only in the updates it takes after resuming
+    # an update at every step, before and after each resume point: what a resumed run must restore
+    # (the optimizer's moments, its step count) shows only in the updates it takes after resuming
     rows = metrics(out)
     assert [r["step"] for r in rows if "split" not in r and r["kept_tokens"] > 0] == [0, 1, 2, 3, 4]
     start, end = load_file(os.path.join(model_dir, "model.safetensors")), final_weights(out)
@@ -170,8 +170,9 @@ def reference(model_dir, tmp_path_factory):
     return rows, end
 
 
-# resumes_at: the latest complete checkpoint when the kill came (none yet after step 0: step_000001 is
-# written after that step's metrics row; a checkpoint killed before its rename does not count)
+# resumes_at: the latest complete checkpoint when the kill came (none yet after step 0:
+# step_000001 is written after that step's metrics row; a checkpoint killed before its rename does
+# not count)
 @pytest.mark.parametrize(
     "where,at,resumes_at",
     [("metrics", 0, 0), ("metrics", 2, 2), ("save", 3, 2), ("save", 5, 4)],

@@ -16,7 +16,8 @@ from policy.gpt import GPT, GPTConfig
 
 
 class LinearNLLModel(torch.nn.Module):
-    """Test double: log p of target token t is -w * t (0 where ignored); counts forward passes and rows."""
+    """Test double: log p of target token t is -w * t (0 where ignored);
+    counts forward passes and rows."""
 
     def __init__(self):
         super().__init__()
@@ -65,8 +66,9 @@ def test_zscore_advantages_divide_by_group_std():
 
 @pytest.mark.parametrize("kind", ["mean", "zscore"])
 def test_a_group_of_equal_rewards_gets_advantage_exactly_zero_whatever_their_value(kind):
-    # the float32 mean of 16 x 0.1 (a format bonus alone) is not exactly 0.1: r - mean(r) would be ~1e-8,
-    # and the group would look live to the loss: a forward and backward pass for a gradient of rounding noise
+    # the float32 mean of 16 x 0.1 (a format bonus alone) is not exactly 0.1: r - mean(r) would be
+    # ~1e-8, and the group would look live to the loss: a forward and backward pass for a gradient
+    # of rounding noise
     rewards = torch.tensor([0.1] * 16 + [0.7] * 16 + [1.0] * 8 + [0.0] * 8)
     adv = chat_rl.compute_advantages(rewards, num_samples=16, kind=kind)
     assert torch.all(adv[:32] == 0) and torch.all(adv[32:] != 0)
@@ -87,7 +89,8 @@ def test_loss_equals_hand_computed_value():
 
 
 def test_sequence_normalisation_averages_each_completion_first():
-    # per-completion means: row 0: 0.5 * -(6)/3 = -1, row 1: -0.5 * -(9)/2 = 2.25; over all 4 completions
+    # per-completion means: row 0: 0.5 * -(6)/3 = -1, row 1: -0.5 * -(9)/2 = 2.25;
+    # over all 4 completions
     model = LinearNLLModel()
     adv = torch.tensor([0.5, -0.5, 0.0, 0.0])
     loss, _ = backward(model, adv, loss_norm="sequence")
@@ -216,8 +219,9 @@ def test_token_budget_does_not_change_the_loss_or_gradient():
 
 
 def test_derived_seeds_differ_for_every_tuple_the_old_arithmetic_mixed_up():
-    # (seed * 100_003 + step) * 1009 + rank * 101 gave rank 10 at step s the seed of rank 0 at step s + 1
-    # plus a prompt offset of 1009 - 1010 = -1; seed * 1000 + epoch mixed seed 0, epoch 1000 with seed 1, epoch 0
+    # (seed * 100_003 + step) * 1009 + rank * 101 gave rank 10 at step s the seed of rank 0 at
+    # step s + 1 plus a prompt offset of 1009 - 1010 = -1;
+    # seed * 1000 + epoch mixed seed 0, epoch 1000 with seed 1, epoch 0
     d = chat_rl.derive_seed
     assert d(0, "rollout", 5, 10) != d(0, "rollout", 6, 0)
     assert d(0, "data", 1000) != d(1, "data", 0)
@@ -284,12 +288,14 @@ def test_an_epoch_takes_each_problem_at_most_once_and_the_next_epoch_reshuffles(
 
 
 def test_the_data_order_is_fixed_by_the_seed():
-    take = lambda seed: [chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed) for step in range(3)]  # noqa: E731
+    def take(seed):
+        return [chat_rl.problems_for_step(ROWS, step, 0, 1, 8, seed) for step in range(3)]
+
     assert take(0) == take(0) and take(0) != take(1)
     assert take(0)[0] != take(0)[1]
 
 
-# ---- step 6: clip, then step at the scheduled learning rate ----------------------------------------
+# ---- step 6: clip, then step at the scheduled learning rate --------------------------------------
 class TwoWeights(torch.nn.Module):
     """Two parameters, gradients set by hand: g = norm * (0.6, 0.8) has global norm `norm`."""
 
@@ -309,7 +315,8 @@ class TwoWeights(torch.nn.Module):
 
 
 def step_with_sgd(norm, grad_clip, lr=0.5):
-    """optimizer_step under plain SGD, whose update is -lr * the gradient it is left: (reported norm, update)."""
+    """optimizer_step under plain SGD, whose update is -lr * the gradient it is left:
+    (reported norm, update)."""
     model = TwoWeights().set_gradient(norm)
     before = model.weights()
     grad_norm, finite = chat_rl.optimizer_step(
@@ -376,12 +383,15 @@ def test_a_step_with_no_sampled_token_leaves_the_weights_alone():
     before = model.weights()
     _, finite = chat_rl.optimizer_step(model, optimizer, 0.1, 1.0, loss=0.0, kept_tokens=0)
     assert finite and torch.equal(model.weights(), before)
-    optimizer.step()  # what skipping it avoids: AdamW's momentum moves the weights on a zero gradient
+    # what skipping it avoids: AdamW's momentum moves the weights on a zero gradient
+    optimizer.step()
     assert not torch.equal(model.weights(), before)
 
 
 def test_a_run_stops_after_max_nonfinite_non_finite_updates_in_a_row():
-    quiet = lambda *a, **k: None  # noqa: E731
+    def quiet(*a, **k):
+        pass
+
     in_row = 0
     for finite, kept_tokens, expected in [
         (False, 10, 1),

@@ -89,7 +89,7 @@ def test_a_stopped_run_says_how_to_continue_it():
 def test_a_finished_run_says_how_to_train_on_from_it():
     lines = stop_line(40, 40, 3.7, "out/demo").splitlines()
     assert lines[0] == "done at step 40/40 after 3.7 min; checkpoint in out/demo/step_000040"
-    # "the same command": the flags that made the run (--preset=demo among them) make the next one too
+    # "the same command": the flags that made the run (--preset=demo among them) make the next too
     assert lines[1].startswith(
         "to train on: the same command with --model=out/demo/step_000040 and a new --out-dir"
     )
@@ -123,8 +123,9 @@ def test_a_run_ends_with_its_stop_line(tmp_path, capsys):
 
 
 def test_help_piped_into_head_ends_quietly():
-    # `--help | head -1` closes the pipe early: the reader got what it wanted, so no BrokenPipeError traceback.
-    # Here the pipe is closed before the help is written (startup takes a second), so every write meets it closed.
+    # `--help | head -1` closes the pipe early: the reader got what it wanted, so no BrokenPipeError
+    # traceback. Here the pipe is closed before the help is written (startup takes a second), so
+    # every write meets it closed.
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "chat_rl", "--help"],
@@ -139,7 +140,8 @@ def test_help_piped_into_head_ends_quietly():
 
 
 def test_resume_with_nothing_to_resume_says_it_starts_from_step_0(tmp_path, capsys):
-    # --resume into an empty (or mistyped) out dir starts fresh, as a preemption script needs, but not silently
+    # --resume into an empty (or mistyped) out dir starts fresh, as a preemption script needs,
+    # but not silently
     model_dir = str(tmp_path / "model")
     GPT(GPTConfig(**TINY)).init_weights(0).save_pretrained(model_dir)
     ByteTokenizer().save_pretrained(model_dir)
@@ -167,7 +169,8 @@ def test_resume_with_nothing_to_resume_says_it_starts_from_step_0(tmp_path, caps
 
 
 def test_chat_rl_sets_a_passive_omp_wait_policy_before_torch_loads_unless_the_user_set_one():
-    # OpenMP reads OMP_WAIT_POLICY once, when torch loads its library: chat_rl must set it before its first torch import
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads its library: chat_rl must set it before
+    # its first torch import
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = "import sys, chat_rl, os; print(os.environ['OMP_WAIT_POLICY'])"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

@@ -1,4 +1,5 @@
-"""The sampler: draws follow softmax(logits / T) within top-k, never a zero-probability token, row by row."""
+"""The sampler: draws follow softmax(logits / T) within top-k, never a zero-probability token,
+row by row."""
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def test_draws_follow_softmax_of_logits_over_temperature(temperature, top_k):
     counts = torch.bincount(tokens, minlength=V).double()
     p = expected_probs(logits, temperature, top_k)
     assert counts[p == 0].sum() == 0, "a token outside the top-k was drawn"
-    # every token within 5 standard deviations of its expected count: N * p +- 5 sqrt(N p (1 - p)) (+1 for rounding).
+    # every token within 5 standard deviations of its expected count:
+    # N * p +- 5 sqrt(N p (1 - p)) (+1 for rounding).
     # At another temperature (T=1 for T=0.5, say) the likeliest tokens miss by dozens of deviations.
     z = (counts - N * p).abs() / (N * p * (1 - p)).sqrt().clamp(min=1e-9)
     assert torch.all((z < 5) | ((counts - N * p).abs() <= 1)), (
@@ -34,9 +36,10 @@ def test_draws_follow_softmax_of_logits_over_temperature(temperature, top_k):
 
 
 def test_zero_probability_tokens_are_never_drawn_even_where_u_lands_on_a_block_boundary():
-    # Zero runs at the end of every block and of the vocabulary (what top-k leaves), u aimed exactly at each
-    # block's upper running sum, one float below it, and at the largest float below 1: where rounding puts the
-    # target at or past a running sum, the draw must still land on a positive entry.
+    # Zero runs at the end of every block and of the vocabulary (what top-k leaves), u aimed
+    # exactly at each block's upper running sum, one float below it, and at the largest float
+    # below 1: where rounding puts the target at or past a running sum, the draw must still land
+    # on a positive entry.
     gen = torch.Generator().manual_seed(2)
     n_blocks = (V + BLOCK - 1) // BLOCK
     for _ in range(20):
@@ -64,8 +67,9 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
 
 
 def test_top_k_walks_its_candidates_in_vocabulary_order():
-    # top-2 of [0, 2, 1, 3, 0] keeps tokens 1 and 3, e^2 : e^3: token 1 holds u in [0, 0.269), token 3 the rest,
-    # as on the paths that walk the whole vocabulary (a tie at the k-th, CUDA) and in engine.sample_reference
+    # top-2 of [0, 2, 1, 3, 0] keeps tokens 1 and 3, e^2 : e^3: token 1 holds u in [0, 0.269),
+    # token 3 the rest, as on the paths that walk the whole vocabulary (a tie at the k-th, CUDA)
+    # and in engine.sample_reference
     logits = torch.tensor([[0.0, 2.0, 1.0, 3.0, 0.0]])
     drawn = [
         int(sample_next_token(logits, torch.tensor([u]), 1.0, top_k=2))
@@ -83,7 +87,8 @@ def test_greedy_is_argmax():
 
 @pytest.mark.parametrize("vocab", [V, 8192, 151936])
 def test_a_rows_draw_does_not_depend_on_the_other_rows(vocab):
-    # the engine shrinks its batch as rows finish: a row must draw the same token alone or among others
+    # the engine shrinks its batch as rows finish:
+    # a row must draw the same token alone or among others
     gen = torch.Generator().manual_seed(4)
     logits, u = torch.randn(40, vocab, generator=gen) * 3, torch.rand(40, generator=gen)
     batched = sample_next_token(logits, u, 1.0, top_k=0)
@@ -93,8 +98,9 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows(vocab):
 
 
 def test_with_top_k_a_rows_draw_does_not_depend_on_a_neighbour_tied_at_its_kth():
-    # a tie at the k-th entry sends its row over the whole vocabulary; a row beside it without a tie must still draw
-    # what it draws alone (once the whole chunk switched paths, and the same u picked another token 2 times in 3)
+    # a tie at the k-th entry sends its row over the whole vocabulary; a row beside it without a tie
+    # must still draw what it draws alone (once the whole chunk switched paths, and the same u
+    # picked another token 2 times in 3)
     gen = torch.Generator().manual_seed(0)
     logits, k = torch.randn(2, V, generator=gen) * 3, 5
     logits[1, torch.topk(logits[1], k + 1).indices[k]] = torch.topk(logits[1], k).values[

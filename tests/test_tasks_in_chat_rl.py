@@ -1,5 +1,5 @@
-"""--task=gsm8k and --task=math run end to end through their real loaders, on handwritten rows in each
-data set's own schema served by a stand-in `datasets` module (no download)."""
+"""--task=gsm8k and --task=math run end to end through their real loaders, on handwritten rows in
+each data set's own schema served by a stand-in `datasets` module (no download)."""
 
 import json
 import sys
@@ -133,7 +133,8 @@ def test_task_trains_and_evaluates_through_chat_rl(task, tmp_path, monkeypatch):
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     references = {"gsm8k": {"7", "36"}, "math": {"\\frac{1}{2}", "8"}}[task]
     assert samples and {s["reference"] for s in samples} <= references
-    # each eval sample's reward is the task's verdict on its completion (evals score the answer alone)
+    # each eval sample's reward is the task's verdict on its completion
+    # (evals score the answer alone)
     assert all(
         s["reward"] == float(get_task(task).grade(s["completion"], s["reference"])) for s in samples
     )

@@ -1,4 +1,5 @@
-"""The engine calls the calculator mid-decode: forced results masked 0, any tokenizer, compaction, seeds."""
+"""The engine calls the calculator mid-decode: forced results masked 0, any tokenizer, compaction,
+seeds."""
 
 import json
 
@@ -16,11 +17,11 @@ STOP = 260  # <|assistant_end|> of the byte tokenizer
 
 class ScriptedModel(torch.nn.Module):
     """
-    A policy that writes a fixed text per row, whatever the tokenizer: at each position it reads the row's
-    text so far (its tokens as fed back to it, forced ones included) and puts a large logit on the
-    longest token that continues its script; once the script is written (or the text has left it) it
-    says stop. Underneath, a tiny random GPT runs the KV cache exactly as a real policy would, and
-    KVCache.row_ids tells which original row each batch slot holds after compaction.
+    A policy that writes a fixed text per row, whatever the tokenizer: at each position it reads
+    the row's text so far (its tokens as fed back to it, forced ones included) and puts a large
+    logit on the longest token that continues its script; once the script is written (or the text
+    has left it) it says stop. Underneath, a tiny random GPT runs the KV cache exactly as a real
+    policy would, and KVCache.row_ids tells the original row each batch slot holds after compaction.
     """
 
     def __init__(self, tokenizer, scripts, num_samples, stop):
@@ -160,10 +161,12 @@ def test_forced_tokens_count_toward_max_new_tokens():
 
 
 def test_rows_mid_call_survive_compaction():
-    # 16 rows that stop at different positions (compaction at every position it can), some inside a call or a
-    # forced result when their neighbours leave: every row's text and mask must be as if alone
+    # 16 rows that stop at different positions (compaction at every position it can), some inside a
+    # call or a forced result when their neighbours leave: every row's text and mask must be as if
+    # alone
     tok = ByteTokenizer()
-    # (a prompt's samples share their first token, drawn from the prefill: every script starts with "So")
+    # (a prompt's samples share their first token, drawn from the prefill:
+    # every script starts with "So")
     scripts = [
         "So" + " " * (i % 5) + f"<<{i}*3={i * 3}>>{i * 3}" + ("\n" if i % 2 else " and <<1+1=2>>2")
         for i in range(16)
@@ -181,7 +184,8 @@ def test_rows_mid_call_survive_compaction():
 
 
 def test_rows_that_never_call_sample_bit_for_bit_as_with_the_tool_off():
-    # a random model at temperature 1.5 writes '<' and '=' now and then but never '<<...=': the tool must change nothing
+    # a random model at temperature 1.5 writes '<' and '=' now and then but never '<<...=':
+    # the tool must change nothing
     torch.manual_seed(0)
     model = (
         GPT(
@@ -205,10 +209,12 @@ def test_rows_that_never_call_sample_bit_for_bit_as_with_the_tool_off():
 
 
 def bpe_folder(tmp_path):
-    """A byte-level BPE tokenizer.json trained here on GSM8K-style lines, so '<<', '=' and '>>' merge with
-    their neighbours, saved with a chat template as a real checkpoint's tokenizer is."""
+    """A byte-level BPE tokenizer.json trained here on GSM8K-style lines, so '<<', '=' and
+    '>>' merge with their neighbours, saved with a chat template as a real checkpoint's
+    tokenizer is."""
     tok = Tokenizer(models.BPE())
-    # digits one by one, as Qwen's and Llama 3's pre-tokenizers split them; everything else may merge: "$<<", ")=", ">>."
+    # digits one by one, as Qwen's and Llama 3's pre-tokenizers split them;
+    # everything else may merge: "$<<", ")=", ">>."
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
@@ -282,7 +288,8 @@ def test_forced_tokens_are_neither_trained_nor_counted_by_the_loss():
             num_key_value_heads=1,
         )
     ).init_weights(1)
-    # one prompt [256, 5, 6], two samples; mask 0 after the prompt = a forced tool result inside the completion
+    # one prompt [256, 5, 6], two samples; mask 0 after the prompt = a forced tool result inside the
+    # completion
     seqs = [[256, 5, 6, 7, 8, 9, 10, 11], [256, 5, 6, 12, 13, 14, 15, 16]]
     masks = [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 1, 1]]
     advantages = torch.tensor([0.5, -0.5])

@@ -91,7 +91,8 @@ def test_eval_rows_hold_their_invariants(demo_run):
             0 <= passes[0] and passes == sorted(passes) and passes[-1] <= 1
         )  # pass@1 <= pass@2 <= ... <= pass@k
         assert 0 <= r["greedy"] <= 1
-        # counts behind them: right samples of all, problems with a right sample, right greedy answers
+        # counts behind them: right samples of all, problems with a right sample,
+        # right greedy answers
         for value, count in [
             (passes[0], EVAL_EXAMPLES * EVAL_SAMPLES),
             (passes[-1], EVAL_EXAMPLES),
@@ -104,7 +105,8 @@ def test_eval_rows_hold_their_invariants(demo_run):
 
 
 def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
-    # --top-k=1 samples the greedy answer: a group's samples are one answer, every group is unanimous, no update
+    # --top-k=1 samples the greedy answer: a group's samples are one answer, every group is
+    # unanimous, no update
     train, _ = run(tmp_path, "--top-k=1", "--eval-every=-1", "--num-steps=2")
     assert [r["kept_tokens"] for r in train] == [0, 0]
     start, end = (
@@ -116,7 +118,8 @@ def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--advantage=zscore", "--loss-norm=sequence"])
 def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
-    # step 0 samples the same completions under any objective (same weights, same seeds): only the loss differs
+    # step 0 samples the same completions under any objective (same weights, same seeds):
+    # only the loss differs
     _, train, _ = demo_run
     assert train[0]["kept_tokens"] > 0, "step 0 had nothing to learn: no loss to compare"
     first = run(tmp_path, flag, "--num-steps=1", "--eval-every=-1")[0][0]

@@ -1,7 +1,7 @@
 """
 What transformers sees of chat_rl's folders: the demo's byte tokenizer saved as a standard Hugging
-Face tokenizer (same ids, same chat prompts), and docs/checkpoints.md's transformers snippet run as written
-on the checkpoints chat_rl writes, giving the engine's own greedy completion.
+Face tokenizer (same ids, same chat prompts), and docs/checkpoints.md's transformers snippet run as
+written on the checkpoints chat_rl writes, giving the engine's own greedy completion.
 """
 
 import os
@@ -19,7 +19,8 @@ from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tasks import gsm8k
 
 # ---------------------------------------------------------------------------------------------
-# The byte tokenizer (the demo's) as a standard Hugging Face tokenizer: tokenizer.json + chat template.
+# The byte tokenizer (the demo's) as a standard Hugging Face tokenizer:
+# tokenizer.json + chat template.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTE_CONVERSATIONS = [
@@ -35,7 +36,8 @@ BYTE_CONVERSATIONS = [
 
 
 def random_text(rng, n):
-    """n code points from every plane (surrogates excluded: they are not text): 1- to 4-byte UTF-8."""
+    """n code points from every plane (surrogates excluded: they are not text):
+    1- to 4-byte UTF-8."""
     ranges = [(0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF), (0x10000, 0x10FFFF)]
     return "".join(chr(rng.randint(*rng.choice(ranges))) for _ in range(n))
 
@@ -75,7 +77,8 @@ def test_byte_tokenizer_json_gives_the_same_ids(tmp_path):
             == auto.encode(text, add_special_tokens=False)
         )
         assert raw.decode(ids) == text == auto.decode(ids)
-    # any id sequence decodes alike: invalid UTF-8 (a model samples anything) and special tokens between bytes
+    # any id sequence decodes alike:
+    # invalid UTF-8 (a model samples anything) and special tokens between bytes
     invalid = [
         [0xFF],
         [0xE2, 0x82],
@@ -113,7 +116,8 @@ def test_byte_tokenizer_chat_template_renders_chat_rl_prompts(tmp_path):
         list(auto.apply_chat_template(full, tokenize=True, return_dict=False))
         == ours.render_conversation({"messages": full})[0]
     )
-    # a copy without the marker (on the hub, say) reads as a plain HF tokenizer: same ids, same training mask
+    # a copy without the marker (on the hub, say) reads as a plain HF tokenizer:
+    # same ids, same training mask
     hf = HFTokenizer(str(tmp_path))
     assert hf.render_conversation({"messages": full}) == ours.render_conversation(
         {"messages": full}
@@ -141,14 +145,15 @@ def test_demo_model_carries_the_current_tokenizer_files(tmp_path):
             open(os.path.join(REPO, "demo_model", name), "rb") as shipped,
         ):
             assert shipped.read() == fresh.read(), (
-                f"demo_model/{name} is stale: rewrite it with ByteTokenizer().save_pretrained('demo_model')"
+                f"demo_model/{name} is stale: "
+                "rewrite it with ByteTokenizer().save_pretrained('demo_model')"
             )
 
 
 # ---------------------------------------------------------------------------------------------
-# docs/checkpoints.md's transformers snippet, executed as written (its path replaced; for demo_model/, its
-# commented-out message for the demo's models used): its prompt ids, greedy completion and printed text
-# must be the ones chat_rl's engine gives at temperature 0.
+# docs/checkpoints.md's transformers snippet, executed as written (its path replaced; for
+# demo_model/, its commented-out message for the demo's models used): its prompt ids, greedy
+# completion and printed text must be the ones chat_rl's engine gives at temperature 0.
 
 
 def readme_snippet():
@@ -159,7 +164,8 @@ def readme_snippet():
 
 
 def run_readme_snippet(path, capsys, demo_message=False):
-    """Execute the snippet on path; demo_message: with its commented-out message for the demo's models instead."""
+    """Execute the snippet on path;
+    demo_message: with its commented-out message for the demo's models instead."""
     code, n = re.subn(
         r'^path = "[^"]*"', lambda m: f"path = {str(path)!r}", readme_snippet(), flags=re.M
     )
@@ -176,7 +182,8 @@ def run_readme_snippet(path, capsys, demo_message=False):
 
 
 def assert_snippet_matches_engine(path, namespace, printed):
-    """The snippet's prompt ids, completion ids (its stop token included) and printed text are chat_rl's."""
+    """The snippet's prompt ids, completion ids (its stop token included) and printed text
+    are chat_rl's."""
     tokenizer, model = load_tokenizer(path), GPT.from_pretrained(path).eval()
     prompt = tokenizer.render_for_completion({"messages": namespace["messages"]})
     max_new_tokens = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
@@ -192,14 +199,16 @@ def assert_snippet_matches_engine(path, namespace, printed):
 
 
 def assert_ran_the_whole_budget(completion, path):
-    """The completion is the snippet's whole budget, varied, with no stop token: every one of its tokens was compared."""
+    """The completion is the snippet's whole budget, varied, with no stop token:
+    every one of its tokens was compared."""
     budget = int(re.search(r"max_new_tokens=(\d+)", readme_snippet()).group(1))
     assert len(completion) == budget and not set(completion) & load_tokenizer(str(path)).stop_tokens
     assert len(set(completion)) > 50  # not one token repeated: a long run of distinct choices
 
 
 def perturb(model, seed=0):
-    """Wide random weights: logits far apart, so greedy decoding meets no near-ties that rounding could flip."""
+    """Wide random weights: logits far apart, so greedy decoding meets no near-ties
+    that rounding could flip."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -244,7 +253,8 @@ def test_readme_snippet_on_a_byte_tokenizer_checkpoint(tmp_path, capsys):
 
 
 def test_readme_snippet_on_the_demo_model(capsys):
-    # the shipped demo_model/, asked the snippet's problem for the demo (one of its own kind, as arith asks it)
+    # the shipped demo_model/, asked the snippet's problem for the demo
+    # (one of its own kind, as arith asks it)
     from tasks import arith
 
     path = os.path.join(REPO, "demo_model")
@@ -260,9 +270,10 @@ def test_readme_snippet_on_the_demo_model(capsys):
 
 
 def test_readme_snippet_on_a_real_model_style_checkpoint(tmp_path, capsys):
-    # Llama-3 style (a byte-level BPE tokenizer.json with tokenizer_class PreTrainedTokenizerFast, a chat
-    # template, llama3 RoPE), through chat_rl's loader and saver. Not Qwen2: transformers 5 rebuilds any
-    # qwen2 folder's tokenizer as Qwen2Tokenizer (Qwen's own split regex), which only Qwen's tokenizer.json matches.
+    # Llama-3 style (a byte-level BPE tokenizer.json with tokenizer_class PreTrainedTokenizerFast, a
+    # chat template, llama3 RoPE), through chat_rl's loader and saver. Not Qwen2: transformers 5
+    # rebuilds any qwen2 folder's tokenizer as Qwen2Tokenizer (Qwen's own split regex), which only
+    # Qwen's tokenizer.json matches.
     import transformers
 
     source = tmp_path / "llama"
