@@ -1,61 +1,70 @@
 """
-chat_rl trains a chat model on verifiable math by reinforcement learning with the plain policy gradient (REINFORCE).
+chat_rl trains a chat model on verifiable math with the plain policy gradient (REINFORCE).
 
-Called "GRPO" in the field, it is REINFORCE with the group's mean reward as baseline: completions that scored above
-their group's average get their log-probability raised, those below get it lowered. Read this file top to bottom;
-for sampling, read engine.generate_reference, the plain sampler.
+Called "GRPO" in the field, it is REINFORCE with the group's mean reward as baseline: completions
+that scored above their group's average get their log-probability raised, those below get it
+lowered. Read this file top to bottom; for sampling, read engine.generate_reference, the plain
+sampler.
 
-One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one per GPU; on a
-laptop there is one rank.
-  1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next slice of
-     examples_per_step problems, each rank an equal, contiguous share (plumbing/data.py). So the step alone fixes
-     the data, and a resumed run continues it.
-  2. Sampling. The Engine (engine.py, the fast twin of generate_reference) samples num_samples completions of each
-     problem, its group, at --temperature. The stop token is sampled and trained like any other. Where a completion
-     writes a calculator call such as `<<48/2=`, the result `24>>` is written in for it (--tool). Those tokens are
-     not the policy's, so they get no gradient.
-  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the verifier finds the
-     right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0, so a completion cut off before its
-     answer scores 0; with your own --reward, answer is the number it returns (a cut-off one's too:
-     --mask-truncated keeps those out of the loss). format is 1 if the answer is given
-     once, in the task's form, at the end. A reward that raises an exception scores 0.
-  4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all scored the same has
-     A = 0 everywhere. It carries no gradient, so it is dropped before the training forward pass.
+One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one
+per GPU; on a laptop there is one rank.
+  1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
+     slice of examples_per_step problems, each rank an equal, contiguous share (plumbing/data.py).
+     So the step alone fixes the data, and a resumed run continues it.
+  2. Sampling. The Engine (engine.py, the fast twin of generate_reference) samples num_samples
+     completions of each problem, its group, at --temperature. The stop token is sampled and
+     trained like any other. Where a completion writes a calculator call such as `<<48/2=`, the
+     result `24>>` is written in for it (--tool). Those tokens are not the policy's: no gradient.
+  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the
+     verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0,
+     so a completion cut off before its answer scores 0; with your own --reward, answer is the
+     number it returns (a cut-off one's too: --mask-truncated keeps those out of the loss).
+     format is 1 if the answer is given once, in the task's form, at the end. A reward that
+     raises an exception scores 0.
+  4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
+     scored the same has A = 0 everywhere. It carries no gradient, so it is dropped before the
+     training forward pass.
   5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
      completions i on all ranks, and the tokens S_i each sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
-     logp_it is the token's log-probability under softmax(logits / temperature), the distribution it was drawn
-     from. (--top-k > 0 truncates that distribution, which the loss does not model: keep it 0.) N_i depends on
-     --loss-norm. It is counted on all ranks; C is the step's completions, dropped ones included:
-         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
+     logp_it is the token's log-probability under softmax(logits / temperature), the
+     distribution it was drawn from (fast/logprobs.plain_logprobs). (--top-k > 0 truncates that
+     distribution, which the loss does not model: keep it 0.) N_i depends on --loss-norm. It is
+     counted on all ranks; C is the step's completions, dropped ones included:
+         all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
-         sequence               N_i = C * max(1, |S_i|)             each completion's mean, then the mean of all C
-  6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW takes one step,
-     unless the loss or the gradient is not finite, or no row was kept (rows_with_gradient). The
-     learning rate falls linearly: step s uses lr x (1 - s / num_steps), lr being --lr (--lora-lr
-     with LoRA).
-  7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems.
-Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): the RL above does not depend on
-how they work.
+         sequence               N_i = C * max(1, |S_i|)          each completion's mean, then
+                                                                 the mean of all C
+  6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW
+     takes one step, unless the loss or the gradient is not finite, or no row was kept
+     (rows_with_gradient). The learning rate falls linearly: step s uses lr x (1 - s /
+     num_steps), lr being --lr (--lora-lr with LoRA).
+  7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems
+     (plumbing/evaluation.py).
+Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): the RL above
+does not depend on how they work.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
-  1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost of a second model
-     in memory and a second forward pass; with a verifier as the reward, there is no reward model to over-optimise.
-     (--kl-beta brings it back: k3 to the frozen starting policy, logged as kl.)
-  2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated and used for
-     exactly one step, so the ratio is 1 (up to the two passes' rounding) and the clip never acts: REINFORCE.
-     (--ppo-epochs=2 brings them back: two updates on each rollout, the second with the ratio
-     clipped to --clip-eps, --clip-eps-high; clip_frac counts clipped tokens, in the first none.)
-  3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up near-unanimous
-     groups into full-size updates (`--advantage=zscore` brings it back).
-  4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever its completion's
-     length. Unanimous groups' tokens count too: dropping them only saves compute, and steps shrink as groups turn
-     unanimous (less left to learn). kept_tokens (DAPO's, no refilling) keeps their size; sequence is GRPO's (all C).
+  1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
+     of a second model in memory and a second forward pass; with a verifier as the reward, there
+     is no reward model to over-optimise. (--kl-beta brings it back: k3 to the frozen starting
+     policy, logged as kl.)
+  2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated
+     and used for exactly one step, so the ratio is 1 (up to the two passes' rounding) and the
+     clip never acts: REINFORCE. (--ppo-epochs=2 brings them back: two updates on each rollout,
+     the second with the ratio clipped to --clip-eps, --clip-eps-high; clip_frac counts clipped
+     tokens, in the first none.)
+  3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
+     near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
+  4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
+     its completion's length. Unanimous groups' tokens count too: dropping them only saves
+     compute, and steps shrink as groups turn unanimous (less left to learn). kept_tokens (DAPO's,
+     no refilling) keeps their size; sequence is GRPO's (all C).
 
 Run it:
-    python -m chat_rl --preset=demo                                   # offline demo, 1 CPU, minutes
-    python -m chat_rl                                                 # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
-    torchrun --standalone --nproc_per_node=8 -m chat_rl               # 8 GPUs (several nodes, a 7B model: README)
+    python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
+    python -m chat_rl                                    # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
+    torchrun --standalone --nproc_per_node=8 -m chat_rl  # 8 GPUs (nodes, a 7B model: README)
 """
 
 import math
@@ -65,39 +74,33 @@ import time
 from contextlib import nullcontext
 from types import SimpleNamespace
 
-# torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several times over
-# (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set before that, unless the user has
+# torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several
+# times over (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set it before
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
-from calculator import calculate
-from engine import Engine
-from fast.logprobs import Guess, RolloutLogprobs, fast_logprobs, micro_batches
-from plumbing import checkpoint, fsdp
-from plumbing.data import derive_seed, load_data, problems_for_step, rows_fingerprint
-from plumbing.distributed import all_reduce_sum, restart_count, sync_gradients
-from plumbing.flags import RunError, load_task, run
-from plumbing.metrics import (
-    Eta,
-    MetricsLog,
-    all_rewards_failed,
-    check_nonfinite,
-    console_line,
-    eval_line,
-    per_token,
-    report_reward_errors,
-    reward_errors_line,
-    start_line,
-    step_metrics,
-    stop_line,
+from fast.logprobs import (
+    Guess,
+    RolloutLogprobs,
+    fast_logprobs,
+    make_batch,
+    micro_batches,
+    plain_logprobs,  # --logprobs=plain: the version to read
 )
-from plumbing.stop import NEVER, StopFlag
+from plumbing import checkpoint, fsdp, metrics
+from plumbing.data import derive_seed, problems_for_step
+from plumbing.distributed import all_reduce_sum, sync_gradients
+from plumbing.evaluation import evaluate
+from plumbing.flags import RunError, run
+from plumbing.start import start
+from plumbing.stop import StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
-# What a fork edits: the default run (GSM8K, a real model, GPUs), then the presets' changes to it. Each name is also
-# a flag, - for _ (--num-samples=8 or --num-samples 8), which wins over both; `--help` lists them.
+# What a fork edits: the default run (GSM8K, a real model, GPUs), then the presets' changes to it.
+# Each name is also a flag, - for _ (--num-samples=8 or --num-samples 8), which wins over both;
+# `--help` lists them.
 HYPERPARAMETERS = dict(
     # name=(default, meaning)
     task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | pkg.module | task.py"),
@@ -164,124 +167,63 @@ HYPERPARAMETERS = dict(
     system_prompt=("", "a system turn before every prompt (chat template)"),
 )
 
+
+# fmt: off
 PRESETS = dict(
-    # the offline demo on one CPU: demo_model/, the 0.8M-parameter model made by scripts/make_demo_model.py
-    demo=dict(
-        task="arith",
-        model="demo_model",
-        out_dir="out/demo",
-        device_type="cpu",
-        examples_per_step=12,
-        max_new_tokens=64,
-        num_steps=150,
-        device_batch_size=64,
-        lr=3e-4,
-        lora_lr=1e-3,
-        eval_examples=200,
-        eval_samples=8,
-    ),
-    # a real chat model learning on a laptop's CPU (README "A real model on a laptop"): SmolLM2-135M-Instruct, made
-    # offline by scripts/convert_gguf.py; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
-    smollm2=dict(
-        task="mental",
-        model="models/smollm2-135m",
-        out_dir="out/smollm2",
-        device_type="cpu",
-        examples_per_step=8,
-        num_samples=8,
-        max_new_tokens=64,
-        tool="none",
-        num_steps=20,
-        device_batch_size=16,
-        lr=3e-5,
-        lora_lr=3e-4,
-        eval_every=10,
-        eval_examples=64,
-        eval_samples=16,
-    ),
+    # the offline demo on one CPU: demo_model/, the 0.8M-parameter model of make_demo_model.py
+    demo=dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
+              examples_per_step=12, max_new_tokens=64, num_steps=150, device_batch_size=64,
+              lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
+    # a real chat model learning on a laptop's CPU (README "A real model on a laptop"):
+    # SmolLM2-135M-Instruct, made offline by scripts/convert_gguf.py; 8 x 8 samples of 64 tokens
+    # a step, lr 3e-5 (1e-5 learned 2x slower)
+    smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
+                 device_type="cpu", examples_per_step=8, num_samples=8, max_new_tokens=64,
+                 tool="none", num_steps=20, device_batch_size=16, lr=3e-5, lora_lr=3e-4,
+                 eval_every=10, eval_examples=64, eval_samples=16),
 )
+# fmt: on
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
-def rollout(
-    engine,
-    task,
-    problems,
-    num_samples,
-    max_new_tokens,
-    temperature,
-    top_k,
-    seed,
-    format_weight=0.0,
-    generate_batch_rows=256,
-    progress="",
-    problem_ids=None,
-    system_prompt="",
-):
-    """Sample num_samples completions of each problem and score them. Returns a dict of per-completion lists in
-    problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes generate_batch_rows //
-    num_samples problems (at least one). Each problem's samples draw from a random stream of their own, seeded by
-    seed and its id (problem_ids: its place in the step or the eval set), so ranks and batching change none."""
+def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed,
+            format_weight=0.0, generate_batch_rows=256, progress="", problem_ids=None,
+            system_prompt=""):  # fmt: skip
+    """Sample num_samples completions of each problem and score them. Returns a dict of
+    per-completion lists in problem order (problems[0]'s samples, then problems[1]'s, ...). An
+    engine call takes generate_batch_rows // num_samples problems (at least one). Each problem's
+    samples draw from a random stream of their own, seeded by seed and its id (problem_ids: its
+    place in the step or the eval set), so ranks and batching change none."""
     tokenizer = engine.tokenizer
-    prompts = [
-        tokenizer.render_for_completion(conversation(task, problem, system_prompt=system_prompt))
-        for problem in problems
-    ]
+    chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
+    prompts = [tokenizer.render_for_completion(chat) for chat in chats]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
-    out = dict(
-        sequences=[],
-        masks=[],
-        answer=[],
-        format=[],
-        total=[],
-        tokens=[],
-        completions=[],
-        truncated=[],
-        tool_calls=[],
-        tool_errors=[],
-        tool_use=[],
-        reward_errors=[],
-    )
-    for start in tqdm(
-        range(0, len(prompts), per_call),
-        desc=progress,
-        unit="call",
-        leave=False,
-        disable=None if progress else True,
+    keys = "sequences masks answer format total tokens completions truncated"
+    out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
+    calls = range(0, len(prompts), per_call)
+    for first in tqdm(
+        calls, desc=progress, unit="call", leave=False, disable=None if progress else True
     ):
-        # include_stop: ending the answer is a choice the policy makes too, so the stop token is trained
-        samples = engine.generate(
-            prompts[start : start + per_call],
-            num_samples,
-            max_new_tokens,
-            temperature,
-            top_k,
-            include_stop=True,
-            seed=[derive_seed(seed, i) for i in problem_ids[start : start + per_call]],
-        )
-        for key in (
-            "sequences",
-            "masks",
-            "tool_calls",
-            "tool_errors",
-        ):  # tool_calls: answered and refused, per completion
+        # include_stop: ending the answer is a choice the policy makes too: the stop token trains
+        seeds = [derive_seed(seed, i) for i in problem_ids[first : first + per_call]]
+        samples = engine.generate(prompts[first : first + per_call], num_samples, max_new_tokens,
+                                  temperature, top_k, include_stop=True, seed=seeds)  # fmt: skip
+        for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: per sample
             out[key] += getattr(samples, key)
     for i, seq in enumerate(out["sequences"]):
-        # what follows the prompt: the policy's tokens (mask 1) and the tool's results among them (mask 0)
+        # what follows the prompt: the policy's tokens (mask 1), the tool's results among them (0)
         completion_ids = seq[len(prompts[i // num_samples]) :]
         text = tokenizer.decode(completion_ids)  # special tokens (the stop token) dropped
         row = problems[i // num_samples]
         terms = reward_terms(task, text, task.reference(row), format_weight, row=row)
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
-        out["reward_errors"].append(
-            terms.get("error")
-        )  # a user's reward that raised: None, or what it raised
+        out["reward_errors"].append(terms.get("error"))  # a user's reward that raised, or None
         out["tokens"].append(len(completion_ids))
         out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
-        # the budget ran out before a stop token (a completion that stopped ends with one: include_stop)
+        # the budget ran out before a stop token (a completion that stopped ends with one)
         out["truncated"].append(
             not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens
         )
@@ -290,13 +232,13 @@ def rollout(
 
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
-    """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S samples."""
+    """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
-    # a group of equal rewards has no signal; its float mean can be off by a rounding error (the mean of
-    # 16 x 0.1 is not exactly 0.1), so zero it exactly: that is what lets the loss skip the group
+    # a group of equal rewards has no signal; its float mean can be off by a rounding error (the
+    # mean of 16 x 0.1 is not exactly 0.1), so zero it exactly: that lets the loss skip the group
     unanimous = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
     return adv.masked_fill(unanimous, 0.0).view(-1)
 
@@ -342,73 +284,45 @@ def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
 OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)  # objective()'s flags, off
 
 
-def policy_gradient_backward(
-    model,
-    sequences,
-    masks,
-    advantages,
-    num_samples,
-    device_batch_size,
-    loss_norm,
-    device,
-    autocast=nullcontext(),
-    device_batch_tokens=math.inf,
-    temperature=1.0,
-    logprobs=fast_logprobs,
-    vocab_size=None,
-    options=OFF,
-    reference=None,
-    saved=None,
-    stats=None,
-):
+def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size,
+                             loss_norm, device, autocast=nullcontext(),
+                             device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
+                             vocab_size=None, options=OFF, reference=None, saved=None,
+                             stats=None):  # fmt: skip
     """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the
     step's loss L, and return (that share, the sampled tokens of the kept rows on all ranks). N_i
     is counted on all ranks, so the shares of micro-batches and ranks sum to L however the step is
     split, and the gradients sum to L's gradient. options: objective()'s flags; reference: opens
     a block yielding the frozen starting policy (--kl-beta); saved: each row's log-probs across
     --ppo-epochs (fast/logprobs.RolloutLogprobs); stats: objective()'s, added in."""
-    sampled_tokens = torch.tensor(
-        [float(sum(mask)) for mask in masks]
-    )  # |S_i|: mask is 1 where the policy sampled
+    # |S_i|: a mask is 1 where the policy sampled
+    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
-    counts = torch.stack(
-        [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
-    )
-    kept_tokens, all_tokens, completions = all_reduce_sum(counts.to(device)).tolist()
+    counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
+    kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
     if kept_tokens == 0:  # no kept row on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    normaliser = {
-        "all_tokens": torch.full_like(
-            sampled_tokens, all_tokens
-        ),  # N_i of each of this rank's completions
+    normaliser = {  # N_i of each of this rank's completions
+        "all_tokens": torch.full_like(sampled_tokens, all_tokens),
         "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
         "sequence": completions * sampled_tokens.clamp(min=1),
     }[loss_norm]
     # rows without gradient add 0: dropped before any pass; the rest in passes of at most
     # device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
-    batches = micro_batches(
-        kept.nonzero()[:, 0].tolist(),
-        sequences,
-        masks,
-        num_samples,
-        device_batch_size,
-        device_batch_tokens,
-    )
-    fsdp.match_passes(
-        model, len(batches), logprobs, device
-    )  # --fsdp: every rank the same passes, or its gathers hang
+    rows_kept = kept.nonzero()[:, 0].tolist()
+    batches = micro_batches(rows_kept, sequences, masks, num_samples, device_batch_size,
+                            device_batch_tokens)  # fmt: skip
+    # --fsdp: every rank the same passes, or its gathers hang
+    fsdp.match_passes(model, len(batches), logprobs, device)
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        batch = SimpleNamespace(
-            **options,
-            sampled=targets >= 0,
-            advantages=advantages[rows].to(device),
-            normaliser=normaliser[rows].to(device),
-            old_logp=saved.get("old_logp", rows),
-            ref_logp=saved.get("ref_logp", rows),
-        )
+        batch = SimpleNamespace(**options, sampled=targets >= 0,
+                                advantages=advantages[rows].to(device),
+                                normaliser=normaliser[rows].to(device),
+                                old_logp=saved.get("old_logp", rows),
+                                ref_logp=saved.get("ref_logp", rows))  # fmt: skip
         if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
             with torch.no_grad(), autocast, reference() as frozen:
                 batch.ref_logp = logprobs(
@@ -441,323 +355,114 @@ def without_truncated(masks, truncated):
     return [[0] * len(mask) if cut else mask for mask, cut in zip(masks, truncated)]
 
 
-def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
-    """log p(target) under softmax(logits / temperature) over the tokenizer's vocab_size (rows past it pad the
-    embedding: never sampled), the distribution the rollout drew from; 0 where targets is -1. All (B, T, V) logits
-    at once (--logprobs=plain). fast/logprobs.fast_logprobs, the default, gives the same numbers with each prompt run
-    once, the head in chunks, and its gradient made in the forward pass from loss_grad (unused here)."""
-    logits = model(inputs)[..., :vocab_size].float() / temperature  # (B, T, V)
-    logp = logits.log_softmax(dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    return torch.where(targets >= 0, logp, 0.0)
-
-
-def make_batch(sequences, masks, device):
-    """Right-padded (inputs, targets), both (B, T - 1): inputs[b, t] = token t of row b predicts targets[b, t] =
-    token t + 1, or -1 where the policy did not sample that token (prompt, tool result, padding): no gradient."""
-    T = max(len(s) for s in sequences) - 1
-    inputs, targets = (
-        torch.zeros(len(sequences), T, dtype=torch.long),
-        torch.full((len(sequences), T), -1),
-    )
-    for i, (seq, mask) in enumerate(zip(sequences, masks)):
-        inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
-        targets[i, : len(seq) - 1] = torch.tensor(
-            [tok if m else -1 for tok, m in zip(seq[1:], mask[1:])]
-        )
-    return inputs.to(device), targets.to(device)
-
-
 # ---- 6. step -------------------------------------------------------------------------------------
 def adamw(parameters, lr, weight_decay):
-    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0 decays norms too."""
-    return torch.optim.AdamW(
-        parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True
-    )
+    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0
+    decays norms too."""
+    betas = (0.9, 0.95)
+    return torch.optim.AdamW(parameters, lr, betas, weight_decay=weight_decay, fused=True)
 
 
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
-    """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite). The step is skipped
-    if the loss or the gradient is not finite, and if no group was kept: the gradient is zero then, but AdamW's
-    momentum would still move the weights. The learning rate's schedule moves on through a skipped step."""
+    """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite).
+    The step is skipped if the loss or the gradient is not finite, and if no group was kept: the
+    gradient is zero then, but AdamW's momentum would still move the weights. The learning rate's
+    schedule moves on through a skipped step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    grad_norm = float(
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"), foreach=True)
-    )
+    max_norm = grad_clip or float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True))
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
     if finite and kept_tokens > 0:
         optimizer.step()
     return grad_norm, finite
 
 
-# ---- 7. evaluation -------------------------------------------------------------------------------
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k), as a product."""
-    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-@torch.no_grad()
-def evaluate(
-    engine,
-    task,
-    problems,
-    k,
-    max_new_tokens,
-    rank,
-    world,
-    device,
-    seed,
-    generate_batch_rows=256,
-    system_prompt="",
-    stop=NEVER,
-):
-    """Held-out accuracy, each rank taking every world-th problem: greedy (temperature 0, the policy's best single
-    answer) and pass@1..pass@k of k samples at temperature 1.0 (how often a sample is right, and how often one of k
-    is; right: an answer reward of 1 or more, as a user's may give part marks). The same problems and random numbers at
-    every eval, so that evals compare. Returns (metrics, samples.jsonl's); (None, []) on every
-    rank if a stop signal reached any (plumbing/stop.py)."""
-    mine, ids = (
-        problems[rank::world],
-        range(rank, len(problems), world),
-    )  # ids: each problem its own stream
-    # summed over problems and ranks; pass@j, greedy and greedy_tool_use per problem, the tool's means per sample
-    names = [
-        *(f"pass@{j}" for j in range(1, k + 1)),
-        "greedy",
-        "greedy_tool_use",
-        "tool_use",
-        "tool_calls",
-        "tool_errors",
-        "seq_len",
-    ]
-    totals, samples, reward_errors = dict.fromkeys(names, 0.0), [], 0
-    if mine:
-        label = "eval" if rank == 0 else ""
-        common = dict(
-            seed=seed,
-            generate_batch_rows=generate_batch_rows,
-            problem_ids=ids,
-            system_prompt=system_prompt,
-        )
-        with stop.abandonable(engine.model):  # a stop signal leaves the sampling at once
-            out = rollout(
-                engine,
-                task,
-                mine,
-                k,
-                max_new_tokens,
-                temperature=1.0,
-                top_k=0,
-                progress=label,
-                **common,
-            )
-            greedy = rollout(
-                engine,
-                task,
-                mine,
-                1,
-                max_new_tokens,
-                temperature=0.0,
-                top_k=0,
-                progress=label and "eval greedy",
-                **common,
-            )
-    if stop.requested(device):  # every rank, before the sums below
-        return None, []
-    if mine:
-        reward_errors = report_reward_errors(out["reward_errors"] + greedy["reward_errors"])
-        for g in range(len(mine)):
-            correct = sum(a >= 1 for a in out["answer"][g * k : (g + 1) * k])
-            for j in range(1, k + 1):
-                totals[f"pass@{j}"] += pass_at_k(k, correct, j)
-        totals.update(
-            greedy=sum(a >= 1 for a in greedy["answer"]),
-            greedy_tool_use=sum(greedy["tool_use"]),
-            seq_len=sum(out["tokens"])
-            / k,  # a sample's completion tokens: does RL make replies shorter?
-            **{name: sum(out[name]) / k for name in ("tool_use", "tool_calls", "tool_errors")},
-        )
-        samples = [
-            dict(
-                question=task.prompt(mine[g]),
-                reference=task.reference(mine[g]),
-                completion=out["completions"][g * k],
-                reward=out["total"][g * k],
-            )
-            for g in range(min(3, len(mine)))
-        ]
-    sums = all_reduce_sum(
-        torch.tensor(
-            [totals[name] for name in names] + [reward_errors, len(mine)],
-            dtype=torch.float64,
-            device=device,
-        )
-    )
-    metrics = {name: round(float(sums[i] / sums[-1]), 4) for i, name in enumerate(names)}
-    return {"greedy": metrics.pop("greedy"), **metrics, "reward_errors": int(sums[-2])}, samples
-
-
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep. Steps count from 0,
-    a step's number being the steps done before it: the train row "step": 0 is the first, and an eval or a checkpoint
-    at step s sees the weights after s steps (an update each, unless skipped). num_steps=2, eval_every=1: eval 0,
-    update 0, eval 1, update 1, eval 2, checkpoint step_000002."""
+    """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep.
+    Steps count from 0, a step's number being the steps done before it: the train row "step": 0
+    is the first, and an eval or a checkpoint at step s sees the weights after s steps (an update
+    each, unless skipped). num_steps=2, eval_every=1: eval 0, update 0, eval 1, update 1, eval 2,
+    checkpoint step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
-    task = load_task(cfg)
-    train_rows, eval_rows = load_data(task, cfg)
-    cfg.rows_fingerprint = rows_fingerprint(
-        train_rows
-    )  # saved in checkpoints: --resume refuses other rows
-    num_steps = (
-        cfg.num_steps
-        if cfg.num_steps > 0
-        else cfg.num_epochs * (len(train_rows) // cfg.examples_per_step)
-    )
-    start_step, state = checkpoint.resume_point(
-        cfg, world, device, restarted=restart_count() > 0
-    )  # (0, None): fresh
-    # under --fsdp the whole model is only ever on the CPU: each unit moves to the device as it is sharded
-    model, tokenizer = checkpoint.build_policy(
-        cfg, state, "cpu" if cfg.fsdp else device
-    )  # with --lora-rank, adapters
-    model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
-    engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
-    peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
-    optimizer = adamw(
-        [p for p in model.parameters() if p.requires_grad], peak_lr, cfg.weight_decay
-    )  # LoRA: adapters only
-    checkpoint.restore(
-        state, model, optimizer, rank
-    )  # AdamW's state and the RNGs of a resumed run; a fresh run: none
-    options = dict(
-        kl_beta=cfg.kl_beta,
-        ppo_epochs=cfg.ppo_epochs,
-        clip_eps=cfg.clip_eps,
-        clip_eps_high=cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high,
-    )
-    reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    )  # trained weights fp32
-    log = MetricsLog(
-        cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb, config=vars(cfg)
-    )
-    print0(start_line(cfg, model, world, device, start_step, num_steps, resumed=state is not None))
-    last_pass1 = log.last_eval.get(
-        "pass@1", math.nan
-    )  # a resumed run shows its last eval until the next one
-    last_saved = (
-        start_step if state else -1
-    )  # the step of the newest checkpoint: none is written twice
+    # the rows, the step to start from (a checkpoint's with --resume), the policy (LoRA's adapters,
+    # FSDP's shards) with its Engine and AdamW, the --kl-beta reference, the log
+    setup = start(cfg, rank, world, device, adamw)  # plumbing/start.py
+    task, model, tokenizer, engine = setup.task, setup.model, setup.tokenizer, setup.engine
+    optimizer, autocast, log = setup.optimizer, setup.autocast, setup.log
+    num_steps, start_step = setup.num_steps, setup.start_step
+    clip_eps_high = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
+    # objective()'s flags
+    options = dict(kl_beta=cfg.kl_beta, ppo_epochs=cfg.ppo_epochs, clip_eps=cfg.clip_eps,
+                   clip_eps_high=clip_eps_high)  # fmt: skip
+    print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed))
+    last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
+    last_saved = start_step if setup.resumed else -1  # the newest checkpoint's step: none twice
     step, nonfinite_in_row, failure, t_start = start_step, 0, None, time.time()
-    eta = Eta(num_steps, cfg.eval_every)  # from the times of steps and evals
-    for step in range(
-        start_step, num_steps + 1
-    ):  # the pass at num_steps only evaluates the final weights
+    eta = metrics.Eta(num_steps, cfg.eval_every)  # from the times of steps and evals
+    for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates
         if stop.requested(device):
             break
-        if cfg.eval_only or (
-            cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)
-        ):
+        eval_due = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)
+        if cfg.eval_only or eval_due:
             model.eval()
             t0 = time.time()
-            with autocast, fsdp.gathered(model):
-                metrics, samples = evaluate(
-                    engine,
-                    task,
-                    eval_rows,
-                    cfg.eval_samples,
-                    cfg.max_new_tokens,
-                    rank,
-                    world,
-                    device,
-                    derive_seed(cfg.seed, "eval"),
-                    cfg.generate_batch_rows,
-                    cfg.system_prompt,
-                    stop,
-                )
-            if metrics is None:  # a stop signal came mid-eval
+            with autocast, fsdp.gathered(model):  # 7. (plumbing/evaluation.py)
+                held_out, samples = evaluate(rollout, engine, task, setup.eval_rows,
+                                             cfg.eval_samples, cfg.max_new_tokens, rank, world,
+                                             device, derive_seed(cfg.seed, "eval"),
+                                             cfg.generate_batch_rows, cfg.system_prompt,
+                                             stop)  # fmt: skip
+            if held_out is None:  # a stop signal came mid-eval
                 break
             eval_time_s = time.time() - t0
             eta.evaluated(eval_time_s)
-            last_pass1 = metrics["pass@1"]
+            last_pass1 = held_out["pass@1"]
             at = checkpoint.step_of(cfg.model) if cfg.eval_only else step  # --eval-only: its own
-            log.write(
-                {"step": at or 0, "split": "eval", **metrics, "eval_time_s": round(eval_time_s, 3)},
-                samples,
-            )
-            print0(eval_line(at, metrics))
+            row = dict(step=at or 0, split="eval", **held_out, eval_time_s=round(eval_time_s, 3))
+            log.write(row, samples)
+            print0(metrics.eval_line(at, held_out))
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
-        problems = problems_for_step(
-            train_rows, step, rank, world, cfg.examples_per_step, cfg.seed
-        )  # 1. contiguous share
-        model.eval()  # no dropout in these models: eval() / train() mark the phases for a fork that adds some
-        optimizer.zero_grad(
-            set_to_none=True
-        )  # free last step's gradients: the rollout's KV cache can use the room
-        # 2-3. a problem's id, its place in the step, seeds its samples' random numbers: the same on 1 rank or 8
+        rows, per_step = setup.train_rows, cfg.examples_per_step
+        problems = problems_for_step(rows, step, rank, world, per_step, cfg.seed)  # 1. this rank's
+        model.eval()  # no dropout in these models: eval() and train() mark the phases for a fork
+        optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
+        # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
         problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
+        seed = derive_seed(cfg.seed, "rollout", step)
         with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
-            out = rollout(
-                engine,
-                task,
-                problems,
-                cfg.num_samples,
-                cfg.max_new_tokens,
-                cfg.temperature,
-                cfg.top_k,
-                seed=derive_seed(cfg.seed, "rollout", step),
-                problem_ids=problem_ids,
-                format_weight=cfg.format_weight,
-                generate_batch_rows=cfg.generate_batch_rows,
-                system_prompt=cfg.system_prompt,
-            )
+            out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens,
+                          cfg.temperature, cfg.top_k, seed, cfg.format_weight,
+                          cfg.generate_batch_rows, problem_ids=problem_ids,
+                          system_prompt=cfg.system_prompt)  # fmt: skip
         t_rollout = time.time() - t0
         if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
             break
-        if failure := all_rewards_failed(
-            out["reward_errors"], device
-        ):  # on every completion, every rank: a bug, stop
+        # the reward failed on every completion of every rank: a bug, stop
+        if failure := metrics.all_rewards_failed(out["reward_errors"], device):
             break
-        advantages = compute_advantages(
-            torch.tensor(out["total"]), cfg.num_samples, cfg.advantage
-        )  # 4.
+        advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
         masks = out["masks"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
         model.train()
-        lr = peak_lr * (
-            1 - step / num_steps
-        )  # linear decay: the last update at peak_lr / num_steps
+        lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
         saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
         for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
             optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
             # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone;
             # after the first update a stop waits for the step's end (the weights have moved)
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
-                loss, kept_tokens = policy_gradient_backward(  # 5.
-                    model,
-                    out["sequences"],
-                    masks,
-                    advantages,
-                    num_samples=cfg.num_samples,
-                    loss_norm=cfg.loss_norm,
-                    device_batch_size=cfg.device_batch_size,
-                    device_batch_tokens=cfg.device_batch_tokens,
-                    device=device,
-                    autocast=autocast,
-                    temperature=cfg.temperature,
-                    vocab_size=tokenizer.vocab_size,
-                    logprobs=plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
-                    options=options,
-                    reference=reference,
-                    saved=saved,
-                    stats=stats,
-                )
+                loss, kept_tokens = policy_gradient_backward(
+                    model, out["sequences"], masks, advantages, cfg.num_samples,
+                    cfg.device_batch_size, cfg.loss_norm, device, autocast,
+                    cfg.device_batch_tokens, cfg.temperature,
+                    plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
+                    tokenizer.vocab_size, options, setup.reference, saved, stats)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
@@ -772,28 +477,17 @@ def train(cfg, rank, world, device):
         if not updates:  # a stop came during the first epoch's passes
             break
         loss, grad_norm = (sum(u[1:], u[0]) / len(u) for u in zip(*updates))  # the epochs' mean
-        # non-finite updates in a row: max_nonfinite of them stop the run (a step with nothing kept leaves the count)
-        nonfinite_in_row = check_nonfinite(
-            finite, kept_tokens, nonfinite_in_row, cfg.max_nonfinite, step, print0
-        )
-        row = step_metrics(
-            step,
-            out,
-            t_rollout,
-            device,
-            world,
-            loss=loss,
-            lr=lr,
-            kept_tokens=kept_tokens,
-            grad_norm=grad_norm,
-            step_time_s=time.time() - t0,
-            skipped_nonfinite=int(not finite),
+        # max_nonfinite non-finite updates in a row stop the run (a step with nothing kept: none)
+        nonfinite_in_row = metrics.check_nonfinite(finite, kept_tokens, nonfinite_in_row,
+                                                   cfg.max_nonfinite, step, print0)  # fmt: skip
+        row = metrics.step_metrics(
+            step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
+            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
             state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
-            **per_token(stats, kept_tokens * len(updates), device),
-        )
+            **metrics.per_token(stats, kept_tokens * len(updates), device))  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
-        print0(console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
+        print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
@@ -801,23 +495,20 @@ def train(cfg, rank, world, device):
     if not cfg.eval_only and not nothing_new:
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
     if failure:
-        raise RunError(
-            f"step {step}: the reward failed on every completion; the first: {failure}",
-            every_rank=True,
-        )
+        message = f"step {step}: the reward failed on every completion; the first: {failure}"
+        raise RunError(message, every_rank=True)
     minutes = (time.time() - t_start) / 60
     evaluated = cfg.model if cfg.eval_only else ""
-    print0(
-        reward_errors_line(log.reward_errors)
-        + stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stopped=stop.agreed)
-    )
+    ended = metrics.stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stop.agreed)
+    print0(metrics.reward_errors_line(log.reward_errors) + ended)
     log.close()
     return 0
 
 
-# ==== the command line ==============================================================================
+# ==== the command line ===========================================================================
 def main(argv=None):
-    """python -m chat_rl [--name=value ...]: plumbing/flags.run checks the flags, starts this rank and calls train()."""
+    """python -m chat_rl [--name=value ...]: plumbing/flags.run checks the flags, starts this rank
+    and calls train()."""
     return run(train, HYPERPARAMETERS, PRESETS, __doc__, sys.argv[1:] if argv is None else argv)
 
 

@@ -1,6 +1,7 @@
 """
-The fast path of the loss's log-probs: chat_rl.plain_logprobs, computed to waste nothing, and
-held to it by tests/test_fast_logprobs.py. What it does differently, and why:
+The loss's log-probs. plain_logprobs is the version to read: every logit of a batch that
+make_batch lays out. fast_logprobs, the default, computes the same numbers wasting nothing, held
+to plain_logprobs by tests/test_fast_logprobs.py. What it does differently, and why:
 
     fast_logprobs(model, inputs, targets, temperature, loss_grad)
       -> make_shared_batch: each distinct prompt once (the 16 samples of a problem share it,
@@ -25,12 +26,35 @@ import torch
 import torch.nn.functional as F
 
 
+def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
+    """log p(target) under softmax(logits / temperature) over the tokenizer's vocab_size (rows past
+    it pad the embedding: never sampled), the distribution the rollout drew from; 0 where targets
+    is -1. All (B, T, V) logits at once (--logprobs=plain): the version to read. fast_logprobs,
+    the default, gives the same numbers with each prompt run once, the head in chunks, and its
+    gradient made in the forward pass from loss_grad (unused here)."""
+    logits = model(inputs)[..., :vocab_size].float() / temperature  # (B, T, V)
+    logp = logits.log_softmax(dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return torch.where(targets >= 0, logp, 0.0)
+
+
+def make_batch(sequences, masks, device):
+    """Right-padded (inputs, targets), both (B, T - 1): inputs[b, t] = token t of row b predicts
+    targets[b, t] = token t + 1, or -1 where the policy did not sample that token (prompt, tool
+    result, padding): no gradient."""
+    B, T = len(sequences), max(len(s) for s in sequences) - 1
+    inputs, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    for i, (seq, mask) in enumerate(zip(sequences, masks)):
+        inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        sampled = [token if m else -1 for token, m in zip(seq[1:], mask[1:])]
+        targets[i, : len(seq) - 1] = torch.tensor(sampled)
+    return inputs.to(device), targets.to(device)
+
+
 def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
     """
-    chat_rl.plain_logprobs: inputs, targets (B, T) as chat_rl.make_batch lays them out ->
-    logp (B, T) fp32, the log-probability under softmax(logits / temperature) of each target,
-    0 where targets is -1, the softmax over the head's first vocab_size rows (None: all of
-    them).
+    plain_logprobs: inputs, targets (B, T) as make_batch lays them out -> logp (B, T) fp32, the
+    log-probability under softmax(logits / temperature) of each target, 0 where targets is -1,
+    the softmax over the head's first vocab_size rows (None: all of them).
     loss_grad (B, T): a guess of the gradient the loss will send back to logp (Guess). Given, the
     head's gradients are made for it in the forward pass, handed over if the gradient that arrives
     is that one, made again for the one that arrives if not; None: the head is projected again in

@@ -1,11 +1,13 @@
-"""chat_rl.evaluate's numbers, on an engine whose answers are scripted: problem g has RIGHT[g] right
-answers among its K samples at temperature 1.0, and a right greedy answer where GREEDY_RIGHT[g]."""
+"""plumbing/evaluation.evaluate's numbers, on an engine whose answers are scripted: problem g
+has RIGHT[g] right answers among its K samples at temperature 1.0, and a right greedy answer
+where GREEDY_RIGHT[g]."""
 
 import pytest
 import torch
 
 import chat_rl
 from engine import Samples
+from plumbing import evaluation
 from policy.tokenizer import ByteTokenizer
 from tasks import arith
 from tasks.common import conversation
@@ -66,7 +68,8 @@ def problems():
 
 def evaluate(problems, generate_batch_rows=256):
     engine = ScriptedEngine(problems)
-    metrics, samples = chat_rl.evaluate(
+    metrics, samples = evaluation.evaluate(
+        chat_rl.rollout,
         engine,
         arith,
         problems,

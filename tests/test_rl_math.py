@@ -10,6 +10,7 @@ import torch
 
 import chat_rl
 from fast import logprobs
+from plumbing.evaluation import pass_at_k
 from plumbing.flags import RunError
 from plumbing.metrics import check_nonfinite
 from policy.gpt import GPT, GPTConfig
@@ -173,7 +174,7 @@ def test_gpt_per_token_nll_ignores_minus_one_targets():
     ],
 )
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
-    assert chat_rl.pass_at_k(n, c, k) == pytest.approx(expected)
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 
 import chat_rl
 from engine import Engine
-from plumbing import checkpoint
+from plumbing import checkpoint, evaluation
 from tasks import arith, generic
 from tasks.common import rewards
 
@@ -159,8 +159,8 @@ def test_each_kind_of_error_is_printed_once_and_the_run_ends_with_their_count(tm
 def test_evaluation_counts_a_completion_right_at_an_answer_of_1_or_more(engine):
     for marks, right in ((0.5, 0.0), (0.99, 0.0), (1.0, 1.0), (1.5, 1.0)):
         task = task_scored_by(lambda completion, row, marks=marks: marks)
-        metrics, _ = chat_rl.evaluate(
-            engine, task, ROWS, 2, BUDGET, rank=0, world=1, device="cpu", seed=0
+        metrics, _ = evaluation.evaluate(
+            chat_rl.rollout, engine, task, ROWS, 2, BUDGET, rank=0, world=1, device="cpu", seed=0
         )
         assert (metrics["greedy"], metrics["pass@1"], metrics["pass@2"]) == (right,) * 3, marks
 

@@ -1,0 +1,51 @@
+"""
+What a run holds before its first step, built in the order resuming needs: the task and its rows,
+the step count, the checkpoint to resume from, the policy (its weights, LoRA's adapters, FSDP's
+shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast and the log.
+"""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+
+from calculator import calculate
+from engine import Engine
+from plumbing import checkpoint, fsdp
+from plumbing.data import load_data, rows_fingerprint
+from plumbing.distributed import restart_count
+from plumbing.flags import load_task
+from plumbing.metrics import MetricsLog
+
+
+def start(cfg, rank, world, device, make_optimizer):
+    """The run's parts, as a namespace of the names below. make_optimizer(parameters, lr,
+    weight_decay): chat_rl.adamw."""
+    task = load_task(cfg)
+    train_rows, eval_rows = load_data(task, cfg)
+    cfg.rows_fingerprint = rows_fingerprint(train_rows)  # in checkpoints: --resume checks the rows
+    steps_per_epoch = len(train_rows) // cfg.examples_per_step
+    num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * steps_per_epoch
+    restarted = restart_count() > 0  # torchrun restarted the ranks: resume whatever the flags
+    start_step, state = checkpoint.resume_point(cfg, world, device, restarted)  # fresh: (0, None)
+    # with --lora-rank, adapters; under --fsdp the whole model is only ever on the CPU: each unit
+    # moves to the device as it is sharded
+    model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device)
+    model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
+    engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
+    peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = make_optimizer(trained, peak_lr, cfg.weight_decay)
+    checkpoint.restore(state, model, optimizer, rank)  # a resumed run's AdamW state and RNGs
+    reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
+    # trained weights stay fp32; on a GPU the passes run in bf16
+    cuda = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb,
+                     config=vars(cfg))  # fmt: skip
+    resumed = state is not None
+    return SimpleNamespace(task=task, train_rows=train_rows, eval_rows=eval_rows,
+                           num_steps=num_steps, start_step=start_step, resumed=resumed,
+                           model=model, tokenizer=tokenizer, engine=engine, peak_lr=peak_lr,
+                           optimizer=optimizer, reference=reference, autocast=autocast,
+                           log=log)  # fmt: skip
