@@ -1,61 +1,52 @@
 """
 chat_rl trains a chat model on verifiable math with the plain policy gradient (REINFORCE).
 
-Called "GRPO" in the field, it is REINFORCE with the group's mean reward as baseline: completions
-that scored above their group's average get their log-probability raised, those below get it
-lowered. Read this file top to bottom; for sampling, read engine.generate_reference, the plain
-sampler.
+Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
+beat their group's average get their log-probability raised, the others lowered. Read this file
+top to bottom; for sampling, engine.generate_reference, the plain sampler.
 
-One optimizer step, as train() below runs it. A "rank" is one process of a torchrun launch, one
-per GPU; on a laptop there is one rank.
+One optimizer step, as train() runs it. A "rank" is one process of a torchrun launch (one per
+GPU; a laptop has one).
   1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
-     slice of examples_per_step problems, each rank an equal, contiguous share (plumbing/data.py).
-     So the step alone fixes the data, and a resumed run continues it.
-  2. Sampling. The Engine (engine.py, the fast twin of generate_reference) samples num_samples
-     completions of each problem, its group, at --temperature. The stop token is sampled and
-     trained like any other. Where a completion writes a calculator call such as `<<48/2=`, the
-     result `24>>` is written in for it (--tool). Those tokens are not the policy's: no gradient.
+     examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
+     fixes the data, so a resumed run continues it.
+  2. Sampling. The Engine (engine.py, generate_reference's fast twin) samples num_samples
+     completions of each problem, its group, at --temperature; the stop token is sampled and
+     trained like any other. A calculator call such as `<<48/2=` gets its result `24>>` written
+     in (--tool): tokens that are not the policy's, so no gradient.
   3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the
-     verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0,
-     so a completion cut off before its answer scores 0; with your own --reward, answer is the
-     number it returns (a cut-off one's too: --mask-truncated keeps those out of the loss).
-     format is 1 if the answer is given once, in the task's form, at the end. A reward that
-     raises an exception scores 0.
+     verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0:
+     a completion cut off before its answer scores 0 (your own --reward: the number it returns;
+     --mask-truncated keeps cut-off ones out of the loss). format is 1 for the answer given
+     once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0 everywhere. It carries no gradient, so it is dropped before the
-     training forward pass.
+     scored the same has A = 0: no gradient, so it is dropped before the training passes.
   5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
      completions i on all ranks, and the tokens S_i each sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
-     logp_it is the token's log-probability under softmax(logits / temperature), the
-     distribution it was drawn from (fast/logprobs.plain_logprobs). (--top-k > 0 truncates that
-     distribution, which the loss does not model: keep it 0.) N_i depends on --loss-norm. It is
-     counted on all ranks; C is the step's completions, dropped ones included:
+     logp_it: the token's log-probability under softmax(logits / temperature), the distribution
+     it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
+     does not model: keep 0). N_i (--loss-norm) is counted on all ranks; C is the step's
+     completions, dropped ones included:
          all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
-         sequence               N_i = C * max(1, |S_i|)          each completion's mean, then
-                                                                 the mean of all C
-  6. Update. Gradients are summed over ranks and their norm is clipped (--grad-clip). Then AdamW
-     takes one step, unless the loss or the gradient is not finite, or no row was kept
-     (rows_with_gradient). The learning rate falls linearly: step s uses lr x (1 - s /
-     num_steps), lr being --lr (--lora-lr with LoRA).
-  7. Evaluation, every eval_every steps: greedy accuracy and pass@1..pass@k on held-out problems
-     (plumbing/evaluation.py).
-Names from plumbing/ and fast/ are machinery (speed, ranks, logging, checkpoints): the RL above
-does not depend on how they work.
+         sequence               N_i = C * max(1, |S_i|)          a mean per completion, then of C
+  6. Update. Gradients are summed over ranks, their norm clipped (--grad-clip), and AdamW steps,
+     unless the loss or the gradient is not finite, or no row was kept (rows_with_gradient). The
+     lr falls linearly: step s uses lr x (1 - s / num_steps), lr being --lr (--lora-lr: LoRA).
+  7. Evaluation every eval_every steps: held-out greedy and pass@1..k (plumbing/evaluation.py).
+Names from plumbing/ and fast/ are machinery (speed, ranks, logs, checkpoints): the RL is here.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
-     of a second model in memory and a second forward pass; with a verifier as the reward, there
-     is no reward model to over-optimise. (--kl-beta brings it back: k3 to the frozen starting
-     policy, logged as kl.)
+     of a second model in memory and a second forward pass; with a verifier as the reward there
+     is no reward model to over-optimise. (--kl-beta brings it back: k3 to the frozen start.)
   2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated
-     and used for exactly one step, so the ratio is 1 (up to the two passes' rounding) and the
-     clip never acts: REINFORCE. (--ppo-epochs=2 brings them back: two updates on each rollout,
-     the second with the ratio clipped to --clip-eps, --clip-eps-high; clip_frac counts clipped
-     tokens, in the first none.)
+     and used for one step, so the ratio is 1 (up to the two passes' rounding) and the clip never
+     acts: REINFORCE. (--ppo-epochs=2 brings them back: two updates on each rollout, the second
+     with the ratio clipped; clip_frac counts clipped tokens, in the first none.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
-     near-unanimous groups into full-size updates (`--advantage=zscore` brings it back).
+     near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
      its completion's length. Unanimous groups' tokens count too: dropping them only saves
      compute, and steps shrink as groups turn unanimous (less left to learn). kept_tokens (DAPO's,
@@ -80,29 +71,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
-from fast.logprobs import (
-    Guess,
-    RolloutLogprobs,
-    fast_logprobs,
-    make_batch,
-    micro_batches,
-    plain_logprobs,  # --logprobs=plain: the version to read
-)
+from fast.logprobs import LOGPROBS, Guess, RolloutLogprobs, fast_logprobs, make_batch, micro_batches
 from plumbing import checkpoint, fsdp, metrics
 from plumbing.data import derive_seed, problems_for_step
 from plumbing.distributed import all_reduce_sum, sync_gradients
-from plumbing.evaluation import evaluate
+from plumbing.evaluation import eval_step
 from plumbing.flags import RunError, run
 from plumbing.start import start
 from plumbing.stop import StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
-# What a fork edits: the default run (GSM8K, a real model, GPUs), then the presets' changes to it.
-# Each name is also a flag, - for _ (--num-samples=8 or --num-samples 8), which wins over both;
-# `--help` lists them.
+# What a fork edits: name=(default, meaning) of the default run (GSM8K, a real model, GPUs), then
+# the presets' changes. Each is a flag too (--num-samples=8), which wins over both; see --help.
 HYPERPARAMETERS = dict(
-    # name=(default, meaning)
     task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | pkg.module | task.py"),
     model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id | Hugging Face folder | PEFT LoRA folder"),
     out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
@@ -116,7 +98,6 @@ HYPERPARAMETERS = dict(
     temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss divides by it)"),
     top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
     generate_batch_rows=(256, "most rows (prompts x samples) per engine call, >= one prompt's"),
-    # a model that never writes "<<expr=" samples as with none; one that does gets exact results
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
@@ -167,33 +148,32 @@ HYPERPARAMETERS = dict(
     system_prompt=("", "a system turn before every prompt (chat template)"),
 )
 
-
 # fmt: off
 PRESETS = dict(
     # the offline demo on one CPU: demo_model/, the 0.8M-parameter model of make_demo_model.py
     demo=dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
               examples_per_step=12, max_new_tokens=64, num_steps=150, device_batch_size=64,
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
-    # a real chat model learning on a laptop's CPU (README "A real model on a laptop"):
-    # SmolLM2-135M-Instruct, made offline by scripts/convert_gguf.py; 8 x 8 samples of 64 tokens
-    # a step, lr 3e-5 (1e-5 learned 2x slower)
+    # README "A real model on a laptop": SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
+    # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
                  device_type="cpu", examples_per_step=8, num_samples=8, max_new_tokens=64,
                  tool="none", num_steps=20, device_batch_size=16, lr=3e-5, lora_lr=3e-4,
                  eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
+OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)  # objective()'s flags, off
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed,
             format_weight=0.0, generate_batch_rows=256, progress="", problem_ids=None,
             system_prompt=""):  # fmt: skip
-    """Sample num_samples completions of each problem and score them. Returns a dict of
-    per-completion lists in problem order (problems[0]'s samples, then problems[1]'s, ...). An
-    engine call takes generate_batch_rows // num_samples problems (at least one). Each problem's
-    samples draw from a random stream of their own, seeded by seed and its id (problem_ids: its
-    place in the step or the eval set), so ranks and batching change none."""
+    """Sample num_samples completions of each problem and score them: a dict of per-completion
+    lists in problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes
+    generate_batch_rows // num_samples problems (one at least). A problem's samples draw from a
+    random stream seeded by seed and its id (its place in the step or the eval set): ranks and
+    batching change none."""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
@@ -201,10 +181,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
     keys = "sequences masks answer format total tokens completions truncated"
     out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
-    calls = range(0, len(prompts), per_call)
-    for first in tqdm(
-        calls, desc=progress, unit="call", leave=False, disable=None if progress else True
-    ):
+    calls, quiet = range(0, len(prompts), per_call), None if progress else True
+    for first in tqdm(calls, desc=progress, unit="call", leave=False, disable=quiet):
         # include_stop: ending the answer is a choice the policy makes too: the stop token trains
         seeds = [derive_seed(seed, i) for i in problem_ids[first : first + per_call]]
         samples = engine.generate(prompts[first : first + per_call], num_samples, max_new_tokens,
@@ -272,16 +250,12 @@ def objective(logp, batch):
 
 
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
-    """(rows,) True for the completions whose tokens carry gradient: the objective's call, which
-    the loss's passes, kept_tokens and the update's skip follow. The policy gradient's are the
-    groups with a nonzero advantage (a unanimous group's are exactly 0: compute_advantages); a
-    KL term pulls on every row, a unanimous group's too."""
+    """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
+    passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
+    advantage (a unanimous group's are exactly 0); a KL term pulls on every row."""
     if kl_beta > 0:
         return torch.ones(len(advantages), dtype=torch.bool)
     return (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
-
-
-OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)  # objective()'s flags, off
 
 
 def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size,
@@ -295,8 +269,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     split, and the gradients sum to L's gradient. options: objective()'s flags; reference: opens
     a block yielding the frozen starting policy (--kl-beta); saved: each row's log-probs across
     --ppo-epochs (fast/logprobs.RolloutLogprobs); stats: objective()'s, added in."""
-    # |S_i|: a mask is 1 where the policy sampled
-    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])
+    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask 1 = sampled
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
@@ -309,11 +282,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     }[loss_norm]
     # rows without gradient add 0: dropped before any pass; the rest in passes of at most
     # device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
-    rows_kept = kept.nonzero()[:, 0].tolist()
-    batches = micro_batches(rows_kept, sequences, masks, num_samples, device_batch_size,
-                            device_batch_tokens)  # fmt: skip
-    # --fsdp: every rank the same passes, or its gathers hang
-    fsdp.match_passes(model, len(batches), logprobs, device)
+    batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
+                            device_batch_size, device_batch_tokens)  # fmt: skip
+    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     for rows in batches:
@@ -348,26 +319,17 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
 
 def without_truncated(masks, truncated):
     """--mask-truncated (TRL's mask_truncated_completions, DAPO's overlong filtering): a completion
-    the budget cut off trains none of its tokens, so a reward that scores unfinished text (one of
-    your own may) cannot teach rambling. As in TRL, it keeps its place everywhere else: its reward
-    is in its group's mean, so the others' advantages are those of the whole group, and it counts
-    in sequence's C; sampling no token now, it adds nothing to all_tokens' or kept_tokens' N."""
+    cut off trains none of its tokens, so a reward that scores unfinished text (yours may) cannot
+    teach rambling. As in TRL it keeps its place elsewhere: its reward is in its group's mean and
+    it counts in sequence's C; sampling no token now, it adds nothing to the tokens' N."""
     return [[0] * len(mask) if cut else mask for mask, cut in zip(masks, truncated)]
 
 
 # ---- 6. step -------------------------------------------------------------------------------------
-def adamw(parameters, lr, weight_decay):
-    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0
-    decays norms too."""
-    betas = (0.9, 0.95)
-    return torch.optim.AdamW(parameters, lr, betas, weight_decay=weight_decay, fused=True)
-
-
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite).
-    The step is skipped if the loss or the gradient is not finite, and if no group was kept: the
-    gradient is zero then, but AdamW's momentum would still move the weights. The learning rate's
-    schedule moves on through a skipped step."""
+    Skipped if the loss or the gradient is not finite, and if no group was kept (a zero gradient,
+    but AdamW's momentum would still move the weights); the lr schedule moves on through it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     max_norm = grad_clip or float("inf")
@@ -380,23 +342,15 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7 of the docstring, once per optimizer step; every rank runs this loop in lockstep.
-    Steps count from 0, a step's number being the steps done before it: the train row "step": 0
-    is the first, and an eval or a checkpoint at step s sees the weights after s steps (an update
-    each, unless skipped). num_steps=2, eval_every=1: eval 0, update 0, eval 1, update 1, eval 2,
-    checkpoint step_000002."""
+    """Steps 1-7 of the docstring, once per optimizer step, every rank in lockstep. A step's number
+    is the steps done before it: an eval or a checkpoint at step s sees the weights after s steps.
+    num_steps=2, eval_every=1: eval 0, update 0, eval 1, update 1, eval 2, step_000002 saved."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
-    # the rows, the step to start from (a checkpoint's with --resume), the policy (LoRA's adapters,
-    # FSDP's shards) with its Engine and AdamW, the --kl-beta reference, the log
-    setup = start(cfg, rank, world, device, adamw)  # plumbing/start.py
-    task, model, tokenizer, engine = setup.task, setup.model, setup.tokenizer, setup.engine
-    optimizer, autocast, log = setup.optimizer, setup.autocast, setup.log
-    num_steps, start_step = setup.num_steps, setup.start_step
-    clip_eps_high = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
-    # objective()'s flags
-    options = dict(kl_beta=cfg.kl_beta, ppo_epochs=cfg.ppo_epochs, clip_eps=cfg.clip_eps,
-                   clip_eps_high=clip_eps_high)  # fmt: skip
+    # plumbing/start.py: the rows, the resume point, the policy with its Engine and AdamW, the log
+    setup = start(cfg, rank, world, device)
+    model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
+    num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
     print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed))
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
     last_saved = start_step if setup.resumed else -1  # the newest checkpoint's step: none twice
@@ -406,24 +360,11 @@ def train(cfg, rank, world, device):
         if stop.requested(device):
             break
         eval_due = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)
-        if cfg.eval_only or eval_due:
-            model.eval()
-            t0 = time.time()
-            with autocast, fsdp.gathered(model):  # 7. (plumbing/evaluation.py)
-                held_out, samples = evaluate(rollout, engine, task, setup.eval_rows,
-                                             cfg.eval_samples, cfg.max_new_tokens, rank, world,
-                                             device, derive_seed(cfg.seed, "eval"),
-                                             cfg.generate_batch_rows, cfg.system_prompt,
-                                             stop)  # fmt: skip
+        if cfg.eval_only or eval_due:  # 7. held-out pass@k (plumbing/evaluation.py)
+            held_out = eval_step(rollout, setup, cfg, step, rank, world, device, stop, eta)
             if held_out is None:  # a stop signal came mid-eval
                 break
-            eval_time_s = time.time() - t0
-            eta.evaluated(eval_time_s)
             last_pass1 = held_out["pass@1"]
-            at = checkpoint.step_of(cfg.model) if cfg.eval_only else step  # --eval-only: its own
-            row = dict(step=at or 0, split="eval", **held_out, eval_time_s=round(eval_time_s, 3))
-            log.write(row, samples)
-            print0(metrics.eval_line(at, held_out))
         if step == num_steps or cfg.eval_only:
             break
         t0 = time.time()
@@ -433,11 +374,10 @@ def train(cfg, rank, world, device):
         optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
         # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
         problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-        seed = derive_seed(cfg.seed, "rollout", step)
         with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
-            out = rollout(engine, task, problems, cfg.num_samples, cfg.max_new_tokens,
-                          cfg.temperature, cfg.top_k, seed, cfg.format_weight,
-                          cfg.generate_batch_rows, problem_ids=problem_ids,
+            out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                          cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
+                          cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
                           system_prompt=cfg.system_prompt)  # fmt: skip
         t_rollout = time.time() - t0
         if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
@@ -459,19 +399,16 @@ def train(cfg, rank, world, device):
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
                     model, out["sequences"], masks, advantages, cfg.num_samples,
-                    cfg.device_batch_size, cfg.loss_norm, device, autocast,
-                    cfg.device_batch_tokens, cfg.temperature,
-                    plain_logprobs if cfg.logprobs == "plain" else fast_logprobs,
-                    tokenizer.vocab_size, options, setup.reference, saved, stats)  # fmt: skip
+                    cfg.device_batch_size, cfg.loss_norm, device, autocast, cfg.device_batch_tokens,
+                    cfg.temperature, LOGPROBS[cfg.logprobs], tokenizer.vocab_size, setup.options,
+                    setup.reference, saved, stats)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
             sync_gradients(model)
             loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
-            grad_norm, finite = optimizer_step(
-                model, optimizer, lr, cfg.grad_clip, loss, kept_tokens
-            )
-            updates.append((loss, grad_norm))
+            norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
+            updates.append((loss, norm))
             if not finite:  # the next epoch would meet the same weights and rollout
                 break
         if not updates:  # a stop came during the first epoch's passes
@@ -491,14 +428,12 @@ def train(cfg, rank, world, device):
         if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
             checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
             last_saved = step + 1
-    nothing_new = step in (start_step, last_saved)  # no update since the start, or saved already
-    if not cfg.eval_only and not nothing_new:
+    if not cfg.eval_only and step not in (start_step, last_saved):  # an update not saved yet
         checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
     if failure:
         message = f"step {step}: the reward failed on every completion; the first: {failure}"
         raise RunError(message, every_rank=True)
-    minutes = (time.time() - t_start) / 60
-    evaluated = cfg.model if cfg.eval_only else ""
+    evaluated, minutes = cfg.model if cfg.eval_only else "", (time.time() - t_start) / 60
     ended = metrics.stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stop.agreed)
     print0(metrics.reward_errors_line(log.reward_errors) + ended)
     log.close()
@@ -507,8 +442,7 @@ def train(cfg, rank, world, device):
 
 # ==== the command line ===========================================================================
 def main(argv=None):
-    """python -m chat_rl [--name=value ...]: plumbing/flags.run checks the flags, starts this rank
-    and calls train()."""
+    """python -m chat_rl [--name=value ...]: plumbing/flags.run checks them, then runs train()."""
     return run(train, HYPERPARAMETERS, PRESETS, __doc__, sys.argv[1:] if argv is None else argv)
 
 

@@ -561,3 +561,6 @@ class SharedPrefix:
             ]
         )
         return y.index_select(0, self.output_index)[None].transpose(1, 2)
+
+
+LOGPROBS = {"fast": fast_logprobs, "plain": plain_logprobs}  # --logprobs

@@ -1,15 +1,18 @@
 """
 Step 7, held-out evaluation: each rank samples its share of the eval problems k times at
 temperature 1.0 and once greedily, with the rollout the training steps use, and the ranks sum
-pass@1..pass@k, greedy accuracy, reply length and the tool's use.
+pass@1..pass@k, greedy accuracy, reply length and the tool's use. eval_step runs it in the loop.
 """
 
 import math
+import time
 
 import torch
 
+from plumbing import checkpoint, fsdp
+from plumbing.data import derive_seed
 from plumbing.distributed import all_reduce_sum
-from plumbing.metrics import report_reward_errors
+from plumbing.metrics import eval_line, report_reward_errors
 from plumbing.stop import NEVER
 
 
@@ -71,3 +74,26 @@ def evaluate(rollout, engine, task, problems, k, max_new_tokens, rank, world, de
     sums = all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device))
     metrics = {name: round(float(sums[i] / sums[-1]), 4) for i, name in enumerate(names)}
     return {"greedy": metrics.pop("greedy"), **metrics, "reward_errors": int(sums[-2])}, samples
+
+
+def eval_step(rollout, setup, cfg, step, rank, world, device, stop, eta):
+    """Step 7 at step: the held-out eval of the policy's weights, its row in metrics.jsonl and its
+    console line. setup: plumbing/start.start's. Returns the metrics, or None if a stop signal came
+    mid-eval."""
+    setup.model.eval()
+    t0 = time.time()
+    with setup.autocast, fsdp.gathered(setup.model):
+        held_out, samples = evaluate(rollout, setup.engine, setup.task, setup.eval_rows,
+                                     cfg.eval_samples, cfg.max_new_tokens, rank, world, device,
+                                     derive_seed(cfg.seed, "eval"), cfg.generate_batch_rows,
+                                     cfg.system_prompt, stop)  # fmt: skip
+    if held_out is None:
+        return None
+    seconds = time.time() - t0
+    eta.evaluated(seconds)
+    at = checkpoint.step_of(cfg.model) if cfg.eval_only else step  # --eval-only: the checkpoint's
+    row = dict(step=at or 0, split="eval", **held_out, eval_time_s=round(seconds, 3))
+    setup.log.write(row, samples)
+    if rank == 0:
+        print(eval_line(at, held_out))
+    return held_out

@@ -1,7 +1,8 @@
 """
 What a run holds before its first step, built in the order resuming needs: the task and its rows,
 the step count, the checkpoint to resume from, the policy (its weights, LoRA's adapters, FSDP's
-shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast and the log.
+shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast, the log and
+the objective's flags.
 """
 
 from contextlib import nullcontext
@@ -18,9 +19,15 @@ from plumbing.flags import load_task
 from plumbing.metrics import MetricsLog
 
 
-def start(cfg, rank, world, device, make_optimizer):
-    """The run's parts, as a namespace of the names below. make_optimizer(parameters, lr,
-    weight_decay): chat_rl.adamw."""
+def adamw(parameters, lr, weight_decay):
+    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0
+    decays norms too."""
+    betas = (0.9, 0.95)
+    return torch.optim.AdamW(parameters, lr, betas, weight_decay=weight_decay, fused=True)
+
+
+def start(cfg, rank, world, device):
+    """The run's parts, as a namespace of the names below."""
     task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
     cfg.rows_fingerprint = rows_fingerprint(train_rows)  # in checkpoints: --resume checks the rows
@@ -35,7 +42,7 @@ def start(cfg, rank, world, device, make_optimizer):
     engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
     peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = make_optimizer(trained, peak_lr, cfg.weight_decay)
+    optimizer = adamw(trained, peak_lr, cfg.weight_decay)
     checkpoint.restore(state, model, optimizer, rank)  # a resumed run's AdamW state and RNGs
     reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
     # trained weights stay fp32; on a GPU the passes run in bf16
@@ -44,8 +51,12 @@ def start(cfg, rank, world, device, make_optimizer):
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb,
                      config=vars(cfg))  # fmt: skip
     resumed = state is not None
+    # chat_rl.objective's flags
+    clip_eps_high = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
+    options = dict(kl_beta=cfg.kl_beta, ppo_epochs=cfg.ppo_epochs, clip_eps=cfg.clip_eps,
+                   clip_eps_high=clip_eps_high)  # fmt: skip
     return SimpleNamespace(task=task, train_rows=train_rows, eval_rows=eval_rows,
                            num_steps=num_steps, start_step=start_step, resumed=resumed,
                            model=model, tokenizer=tokenizer, engine=engine, peak_lr=peak_lr,
                            optimizer=optimizer, reference=reference, autocast=autocast,
-                           log=log)  # fmt: skip
+                           log=log, options=options)  # fmt: skip

@@ -31,6 +31,8 @@ import torch
 import chat_rl
 from engine import Engine
 from fast import packed_linear
+from fast.logprobs import plain_logprobs
+from plumbing import start
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 from scripts import make_demo_model
@@ -207,7 +209,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
             engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0
         )
         rollout_and_reward = time.perf_counter() - t0
-        optimizer = chat_rl.adamw(model.parameters(), 1e-6, defaults["weight_decay"])
+        optimizer = start.adamw(model.parameters(), 1e-6, defaults["weight_decay"])
         model.train()
         advantages = chat_rl.compute_advantages(
             torch.tensor(out["total"]), samples, defaults["advantage"]
@@ -234,7 +236,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
 
         # the same with plain_logprobs: every sequence whole, one row each, all logits at once
         def update_whole():
-            update(chat_rl.plain_logprobs)
+            update(plain_logprobs)
 
         c = model.config
         kept = [
@@ -284,7 +286,7 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     engine = Engine(model, Tokenizer(model.config.vocab_size))
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = chat_rl.adamw(trained, lr, defaults["weight_decay"])
+    optimizer = start.adamw(trained, lr, defaults["weight_decay"])
     forward_seconds = []
 
     def timed_logprobs(*args, **kwargs):

@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 
 import chat_rl
 from engine import Engine
-from fast.logprobs import fast_logprobs
-from plumbing import fsdp
+from fast.logprobs import fast_logprobs, plain_logprobs
+from plumbing import fsdp, start
 from plumbing.distributed import sync_gradients
 from policy import lora
 from policy.gpt import GPT, GPTConfig
@@ -73,7 +73,7 @@ def loss_and_grad(s, model, sequences, masks, weights, layout, autocast):
     the seconds of forward + backward, the log-probs taken one of the LAYOUTS' ways."""
     model.zero_grad(set_to_none=True)
     inputs, targets = chat_rl.make_batch(sequences, masks, s.device)
-    logprobs = chat_rl.plain_logprobs if layout == "plain" else fast_logprobs
+    logprobs = plain_logprobs if layout == "plain" else fast_logprobs
     # d sum(weight x NLL) / d logp = -weight on every sampled token: what the loss will send back
     loss_grad = -weights[:, None] * (targets >= 0) if layout == "told the loss" else None
 
@@ -402,7 +402,7 @@ def check_update(s):
     # half right in every group: every group carries gradient
     advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    optimizer = chat_rl.adamw(model.parameters(), 0.0, defaults["weight_decay"])
+    optimizer = start.adamw(model.parameters(), 0.0, defaults["weight_decay"])
 
     def update():
         model.zero_grad(set_to_none=True)

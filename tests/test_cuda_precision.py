@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 import chat_rl
 import test_fast_logprobs as fast_tests  # a module object: pytest does not collect its tests twice
 from fast.kv_cache import KVCache
-from fast.logprobs import fast_logprobs, token_nll
+from fast.logprobs import fast_logprobs, plain_logprobs, token_nll
 from plumbing import checkpoint, distributed, fsdp, metrics
 from policy import lora
 from policy.tokenizer import ByteTokenizer
@@ -73,7 +73,7 @@ def any_loss_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab
 LOGPROBS = {
     "fast, told the loss": fast_logprobs,
     "fast, any loss": any_loss_logprobs,
-    "plain": chat_rl.plain_logprobs,
+    "plain": plain_logprobs,
 }
 
 
@@ -168,7 +168,7 @@ def test_fsdp_in_bf16_on_two_ranks_gives_one_process_gradient_in_bf16(fsdp_ranks
         "cpu",
         autocast=bf16_autocast(),
         temperature=T,
-        logprobs=chat_rl.plain_logprobs,
+        logprobs=plain_logprobs,
     )
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for rank in range(2):
@@ -335,9 +335,7 @@ def test_lora_on_a_bf16_base_gives_the_fp32_base_gradients_on_every_loss_path(tm
     sequences, masks, advantages = fast_tests.rollouts(seed=1)
     args = (sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu")
     reference = lora_model(path, torch.float32)
-    chat_rl.policy_gradient_backward(
-        reference, *args, temperature=T, logprobs=chat_rl.plain_logprobs
-    )
+    chat_rl.policy_gradient_backward(reference, *args, temperature=T, logprobs=plain_logprobs)
     expected = adapter_grads(reference)
     for logprobs in LOGPROBS.values():
         model = lora_model(path, BF16)
@@ -473,7 +471,7 @@ def test_the_shared_prefix_mask_is_made_once_in_bf16_and_kept_once_for_the_backw
     assert kept == {masks_given[0].data_ptr()}, f"{len(kept)} masks kept for the backward pass"
     # and the same log-probs as the plain path
     with bf16_autocast():
-        plain = chat_rl.plain_logprobs(model, inputs, targets, T)
+        plain = plain_logprobs(model, inputs, targets, T)
     assert relative_error(logp, plain) <= 0.02
 
 

@@ -133,9 +133,9 @@ RUNNER = r"""
 import json, os, sys
 import torch
 import chat_rl
-from plumbing import checkpoint
+from plumbing import checkpoint, evaluation
 rank, dump = os.environ["RANK"], os.environ["DUMP_DIR"]
-rollout, evaluate, save = chat_rl.rollout, chat_rl.evaluate, checkpoint.save
+rollout, evaluate, save = chat_rl.rollout, evaluation.evaluate, checkpoint.save
 trained_on, evaluating = [], []
 def recording_evaluate(*args, **kwargs):
     evaluating.append(True)
@@ -151,7 +151,7 @@ def recording_save(cfg, step, model, *args, **kwargs):
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(weights, os.path.join(dump, f"weights{rank}.pt"))
     return save(cfg, step, model, *args, **kwargs)
-chat_rl.rollout, chat_rl.evaluate = recording_rollout, recording_evaluate
+chat_rl.rollout, evaluation.evaluate = recording_rollout, recording_evaluate
 checkpoint.save = recording_save
 code = chat_rl.main()
 json.dump(trained_on, open(os.path.join(dump, f"problems{rank}.json"), "w"))

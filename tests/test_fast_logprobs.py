@@ -1,5 +1,5 @@
 """
-fast_logprobs (fast/logprobs.py, the loss's default) held to chat_rl.plain_logprobs, the version
+fast_logprobs (fast/logprobs.py, the loss's default) held to plain_logprobs, the version
 to read: the same log-probs, and through policy_gradient_backward as train() calls it the same
 loss and gradients, in fp32, within 1e-6 of each tensor's largest entry. On rollouts with what
 the loss meets: several prompts of different lengths (one of a single token, one shared by two
@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 import chat_rl
-from fast.logprobs import fast_logprobs, make_shared_batch
+from fast.logprobs import fast_logprobs, make_shared_batch, plain_logprobs
 from plumbing import fsdp
 from policy.gpt import GPT, GPTConfig
 
@@ -111,7 +111,7 @@ def test_the_fast_log_probs_and_their_gradients_are_the_plain_ones(family, check
     )
     results = {}
     for name, logprobs, loss_grad in (
-        ("plain", chat_rl.plain_logprobs, None),
+        ("plain", plain_logprobs, None),
         ("fast", fast_logprobs, None),
         ("fast, told the loss", fast_logprobs, weights),
     ):
@@ -135,7 +135,7 @@ def test_the_fast_log_probs_and_their_gradients_are_the_plain_ones(family, check
 def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(family, loss_norm):
     sequences, masks, advantages = rollouts(seed=1)
     results = {}
-    for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
+    for name, logprobs in (("plain", plain_logprobs), ("fast", fast_logprobs)):
         model, calls = model_for(family), []
 
         def counted(*args, **kwargs):
@@ -182,9 +182,9 @@ def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampl
             -1, targets.clamp(min=0)[..., None]
         )[..., 0]
         expected = torch.where(targets >= 0, expected, 0.0)
-        everything = chat_rl.plain_logprobs(model, inputs, targets, T)
+        everything = plain_logprobs(model, inputs, targets, T)
     results = {}
-    for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
+    for name, logprobs in (("plain", plain_logprobs), ("fast", fast_logprobs)):
         model = model_for("qwen2 (qkv bias, untied head)")
         with torch.no_grad():
             logp = logprobs(model, inputs, targets, T, vocab_size=60)
@@ -259,7 +259,7 @@ def test_on_random_edge_cases_the_fast_path_gives_the_plain_loss_and_gradients(t
         temperature=T,
     )
     results = []
-    for logprobs in (chat_rl.plain_logprobs, fast_logprobs):
+    for logprobs in (plain_logprobs, fast_logprobs):
         model = model_for(family, seed=trial)
         model.checkpoint_layers = trial % 2 == 1
         loss, tokens = chat_rl.policy_gradient_backward(
@@ -327,10 +327,10 @@ def test_a_loss_other_than_the_one_guessed_gets_its_own_gradients_at_a_moved_pol
     weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
     weights = weights * (targets >= 0)
     with torch.no_grad():
-        old = chat_rl.plain_logprobs(model_for(family), inputs, targets, T)
+        old = plain_logprobs(model_for(family), inputs, targets, T)
     results = {}
     for name, logprobs, loss_grad in (
-        ("plain", chat_rl.plain_logprobs, None),
+        ("plain", plain_logprobs, None),
         ("guessed", fast_logprobs, weights),
         ("told the loss", fast_logprobs, weights),
     ):
@@ -355,7 +355,7 @@ def _worker(rank, world, init_file, out_dir):
     )  # 3 and 1 kept groups
     out = {}
     for sharded in (False, True):
-        for name, logprobs in (("plain", chat_rl.plain_logprobs), ("fast", fast_logprobs)):
+        for name, logprobs in (("plain", plain_logprobs), ("fast", fast_logprobs)):
             model = fsdp.prepare(
                 model_for("qwen2 (qkv bias, untied head)"), torch.device("cpu"), sharded, False
             )
@@ -404,7 +404,7 @@ def test_on_two_ranks_the_fast_path_gives_the_plain_gradients_of_one_process(two
         "all_tokens",
         "cpu",
         temperature=T,
-        logprobs=chat_rl.plain_logprobs,
+        logprobs=plain_logprobs,
     )
     for rank in range(2):
         for name, grad in grads(reference).items():

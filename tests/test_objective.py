@@ -176,7 +176,7 @@ class LinearNLLModel(torch.nn.Module):
 
 
 def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
-    """chat_rl.plain_logprobs' place for the double above: the log-probs are linear in w."""
+    """plain_logprobs' place for the double above: the log-probs are linear in w."""
     model.rows += inputs.size(0)
     return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 

@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor
 import chat_rl
 import test_objective as base  # the objective's own tests: their model, rollouts and formulas
 from fast import logprobs as fast
+from fast.logprobs import plain_logprobs
 from plumbing import checkpoint, flags, fsdp, metrics
 from policy import lora
 
 T, NUM_SAMPLES, NORMS = base.T, base.NUM_SAMPLES, base.NORMS
-PATHS = {"plain": chat_rl.plain_logprobs, "fast": chat_rl.fast_logprobs}
+PATHS = {"plain": plain_logprobs, "fast": chat_rl.fast_logprobs}
 BETA, EPS_LOW, EPS_HIGH = 0.5, 0.1, 0.15
 
 
@@ -277,7 +278,7 @@ def test_in_the_first_epoch_the_ratio_is_exactly_1_and_the_gradient_the_policy_g
         [sequences[i] for i in rows], [masks[i] for i in rows], "cpu"
     )
     with torch.no_grad():
-        expected = chat_rl.plain_logprobs(base.small_model(), inputs, targets, T)
+        expected = plain_logprobs(base.small_model(), inputs, targets, T)
     torch.testing.assert_close(saved.get("old_logp", rows), expected)
 
 

@@ -33,7 +33,7 @@ TIMING_KEYS = {
 RUNNER = r"""
 import atexit, os, signal, sys, threading, time
 import chat_rl, engine
-from plumbing import checkpoint, metrics
+from plumbing import checkpoint, evaluation, metrics
 from policy import gpt
 where, at, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
 state = dict(phase=None, decoded=0, evals=-1, sent=None, after=0)
@@ -54,7 +54,7 @@ def counted(function):  # a layer's forward or backward pass, counted if it ends
         return result
     return wrapper
 if where in ("rollout", "eval", "backward", "update"):
-    problems_for_step, evaluate = chat_rl.problems_for_step, chat_rl.evaluate
+    problems_for_step, evaluate = chat_rl.problems_for_step, evaluation.evaluate
     optimizer_step = chat_rl.optimizer_step
     next_logits, backward = engine.next_logits, gpt.SwiGLU.backward
     def step_starts(rows, step, *args):
@@ -77,7 +77,7 @@ if where in ("rollout", "eval", "backward", "update"):
         if where == "update" and state["phase"] == ("rollout", at):
             send()
         return result
-    chat_rl.problems_for_step, chat_rl.evaluate = step_starts, eval_starts
+    chat_rl.problems_for_step, evaluation.evaluate = step_starts, eval_starts
     chat_rl.optimizer_step = update
     engine.next_logits, gpt.SwiGLU.backward = decoding, staticmethod(counted(backward_pass))
     gpt.Block.forward = counted(gpt.Block.forward)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import chat_rl
-from plumbing import checkpoint, flags
+from plumbing import checkpoint, evaluation, flags
 from plumbing.metrics import Eta, MetricsLog, console_line, stop_line
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
@@ -236,8 +236,8 @@ def test_eval_only_names_the_step_of_the_checkpoint_it_evaluates_or_none(tmp_pat
 def test_the_first_eta_does_not_spread_a_first_eval_over_each_step(tmp_path, capsys, monkeypatch):
     # a 3 s eval at steps 0 and 20 of 20 steps: after step 0, 19 quick steps and one eval are left
     # (a few seconds); the wall clock since the start would make each step to come 3 s (1 min)
-    evaluate = chat_rl.evaluate
-    monkeypatch.setattr(chat_rl, "evaluate", lambda *a, **k: time.sleep(3) or evaluate(*a, **k))
+    evaluate = evaluation.evaluate
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: time.sleep(3) or evaluate(*a, **k))
     assert (
         chat_rl.main(
             [
