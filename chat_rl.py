@@ -11,18 +11,20 @@ GPU; a laptop has one).
      examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
      fixes the data, so a resumed run continues it.
   2. Sampling. The Engine (engine.py, generate_reference's fast twin) samples num_samples
-     completions of each problem, its group, at --temperature; the stop token is sampled and
-     trained like any other. A calculator call such as `<<48/2=` gets its result `24>>` written
-     in (--tool): tokens that are not the policy's, so no gradient.
+     completions of each problem, its group, at --temperature, each problem from a random stream
+     of its own (the same on 1 rank or 8); the stop token is sampled and trained like any other.
+     A calculator call such as `<<48/2=` gets its result `24>>` written in (--tool). A mask marks
+     each token of a sequence: 1 if the policy sampled it, 0 for the prompt and tool results.
   3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the
      verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0:
      a completion cut off before its answer scores 0 (your own --reward: the number it returns;
      --mask-truncated keeps cut-off ones out of the loss). format is 1 for the answer given
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0: no gradient, so it is dropped before the training passes.
+     scored the same has A = 0: no gradient, so its rows skip the training passes (their tokens
+     still count in N_i below).
   5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
-     completions i on all ranks, and the tokens S_i each sampled:
+     completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
@@ -31,26 +33,25 @@ GPU; a laptop has one).
          all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)          a mean per completion, then of C
-  6. Update. Gradients are summed over ranks, their norm clipped (--grad-clip), and AdamW steps,
-     unless the loss or the gradient is not finite, or no row was kept (rows_with_gradient). The
-     lr falls linearly: step s uses lr x (1 - s / num_steps), lr being --lr (--lora-lr: LoRA).
-  7. Evaluation every eval_every steps: held-out greedy and pass@1..k (plumbing/evaluation.py).
-Names from plumbing/ and fast/ are machinery (speed, ranks, logs, checkpoints): the RL is here.
+  6. Update. Gradients are summed over ranks (not averaged: N_i counts every rank's tokens), their
+     norm clipped (--grad-clip), and AdamW steps, unless the loss or the gradient is not finite or
+     no row was kept (rows_with_gradient). The lr falls linearly: step s uses lr x (1 - s /
+     num_steps), the last lr / num_steps; lr is --lr (--lora-lr with LoRA).
+  7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1
+     (plumbing/evaluation.py).
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
      of a second model in memory and a second forward pass; with a verifier as the reward there
      is no reward model to over-optimise. (--kl-beta brings it back: k3 to the frozen start.)
-  2. No importance ratio, no clipping. Every batch is sampled by the very weights being updated
-     and used for one step, so the ratio is 1 (up to the two passes' rounding) and the clip never
-     acts: REINFORCE. (--ppo-epochs=2 brings them back: two updates on each rollout, the second
-     with the ratio clipped; clip_frac counts clipped tokens, in the first none.)
+  2. No importance ratio, no clipping. Every batch is sampled by the weights being updated and
+     used for one step, so the ratio is 1 and the clip never acts: REINFORCE. (--ppo-epochs=2
+     brings them back: two updates a rollout, the second clipped; clip_frac counts clipped tokens.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
-     its completion's length. Unanimous groups' tokens count too: dropping them only saves
-     compute, and steps shrink as groups turn unanimous (less left to learn). kept_tokens (DAPO's,
-     no refilling) keeps their size; sequence is GRPO's (all C).
+     its completion's length, and steps shrink as groups turn unanimous (less left to learn).
+     kept_tokens (DAPO's, no refilling) keeps their size; sequence is GRPO's (all C).
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -162,7 +163,9 @@ PRESETS = dict(
                  eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
-OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)  # objective()'s flags, off
+# objective()'s flags, with their values when off: train() hands it each one's value from the
+# command line as batch.<name>. A flag of your own goes here and in HYPERPARAMETERS.
+OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
@@ -223,13 +226,13 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
-    """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy
-    bonus, GSPO's ratio, ...). logp (B, T): the policy's log-probs of the rows' tokens, 0 where
-    not sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T), the flags kl_beta,
-    ppo_epochs, clip_eps, clip_eps_high; ref_logp (B, T), the reference's (--kl-beta); old_logp
-    (B, T), the sampling policy's after --ppo-epochs' first update (None before it: these weights
-    sampled the rows). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
-    the train row as a mean per token. Both --logprobs paths take any such function's gradient."""
+    """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy bonus,
+    GSPO's ratio, ...). logp (B, T): the policy's log-probs of the rows' tokens, 0 where not
+    sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T) (a row may sample none:
+    --mask-truncated), OFF's flags; ref_logp (B, T), the reference's (--kl-beta); old_logp (B, T),
+    the sampling policy's after --ppo-epochs' first update (None before it: these weights sampled
+    the rows). Returns (loss, stats), each stat a sum over the sampled tokens, shown in the train
+    row as a mean per token. Both --logprobs paths take any such function's gradient."""
     A, N, sampled = batch.advantages[:, None], batch.normaliser[:, None], batch.sampled
     stats = {}
     if batch.ppo_epochs == 1:  # REINFORCE, linear in logp: a sampled token's weight is -A_i / N_i
@@ -263,12 +266,10 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
                              device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
                              vocab_size=None, options=OFF, reference=None, saved=None,
                              stats=None):  # fmt: skip
-    """Step 5 on this rank's completions: accumulate into .grad the gradient of its share of the
-    step's loss L, and return (that share, the sampled tokens of the kept rows on all ranks). N_i
-    is counted on all ranks, so the shares of micro-batches and ranks sum to L however the step is
-    split, and the gradients sum to L's gradient. options: objective()'s flags; reference: opens
-    a block yielding the frozen starting policy (--kl-beta); saved: each row's log-probs across
-    --ppo-epochs (fast/logprobs.RolloutLogprobs); stats: objective()'s, added in."""
+    """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
+    share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
+    sum to L however the step is split. options: OFF's flags; reference: opens a block yielding the
+    frozen start (--kl-beta); saved: rows' log-probs across epochs; stats: objective()'s, summed."""
     sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask 1 = sampled
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
@@ -342,15 +343,16 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7 of the docstring, once per optimizer step, every rank in lockstep. A step's number
-    is the steps done before it: an eval or a checkpoint at step s sees the weights after s steps.
-    num_steps=2, eval_every=1: eval 0, update 0, eval 1, update 1, eval 2, step_000002 saved."""
+    """Steps 1-7, every rank in lockstep. Step s sees the weights after s updates: num_steps=2,
+    eval_every=1 runs eval 0, update 0, eval 1, update 1, eval 2, and saves step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
     # plumbing/start.py: the rows, the resume point, the policy with its Engine and AdamW, the log
     setup = start(cfg, rank, world, device)
     model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
     num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
+    options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
+    options["clip_eps_high"] = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
     print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed))
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
     last_saved = start_step if setup.resumed else -1  # the newest checkpoint's step: none twice
@@ -394,13 +396,12 @@ def train(cfg, rank, world, device):
         saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
         for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
             optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
-            # --fsdp: a pass gathers each layer from every rank, so no rank may leave it alone;
-            # after the first update a stop waits for the step's end (the weights have moved)
+            # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
                     model, out["sequences"], masks, advantages, cfg.num_samples,
                     cfg.device_batch_size, cfg.loss_norm, device, autocast, cfg.device_batch_tokens,
-                    cfg.temperature, LOGPROBS[cfg.logprobs], tokenizer.vocab_size, setup.options,
+                    cfg.temperature, LOGPROBS[cfg.logprobs], tokenizer.vocab_size, options,
                     setup.reference, saved, stats)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
@@ -414,7 +415,6 @@ def train(cfg, rank, world, device):
         if not updates:  # a stop came during the first epoch's passes
             break
         loss, grad_norm = (sum(u[1:], u[0]) / len(u) for u in zip(*updates))  # the epochs' mean
-        # max_nonfinite non-finite updates in a row stop the run (a step with nothing kept: none)
         nonfinite_in_row = metrics.check_nonfinite(finite, kept_tokens, nonfinite_in_row,
                                                    cfg.max_nonfinite, step, print0)  # fmt: skip
         row = metrics.step_metrics(

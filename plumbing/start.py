@@ -1,8 +1,7 @@
 """
 What a run holds before its first step, built in the order resuming needs: the task and its rows,
 the step count, the checkpoint to resume from, the policy (its weights, LoRA's adapters, FSDP's
-shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast, the log and
-the objective's flags.
+shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast and the log.
 """
 
 from contextlib import nullcontext
@@ -51,12 +50,8 @@ def start(cfg, rank, world, device):
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb,
                      config=vars(cfg))  # fmt: skip
     resumed = state is not None
-    # chat_rl.objective's flags
-    clip_eps_high = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
-    options = dict(kl_beta=cfg.kl_beta, ppo_epochs=cfg.ppo_epochs, clip_eps=cfg.clip_eps,
-                   clip_eps_high=clip_eps_high)  # fmt: skip
     return SimpleNamespace(task=task, train_rows=train_rows, eval_rows=eval_rows,
                            num_steps=num_steps, start_step=start_step, resumed=resumed,
                            model=model, tokenizer=tokenizer, engine=engine, peak_lr=peak_lr,
                            optimizer=optimizer, reference=reference, autocast=autocast,
-                           log=log, options=options)  # fmt: skip
+                           log=log)  # fmt: skip

@@ -97,7 +97,8 @@ def two_epochs(
     kept), the second on `policy`, which has moved. Returns the second's (loss, kept tokens, stats);
     its gradient is in policy."""
     saved, args = fast.RolloutLogprobs(), (NUM_SAMPLES, batch_rows, loss_norm, "cpu")
-    opts = options(ppo_epochs=2, clip_eps=EPS_LOW, clip_eps_high=EPS_HIGH, **kwargs.pop("opts", {}))
+    clip = dict(ppo_epochs=2, clip_eps=EPS_LOW, clip_eps_high=EPS_HIGH)
+    opts = options(**{**clip, **kwargs.pop("opts", {})})  # a test's own opts win
     kwargs.update(temperature=T, logprobs=logprobs, options=opts, saved=saved)
     chat_rl.policy_gradient_backward(sampler, sequences, masks, advantages, *args, **kwargs)
     stats = {}
