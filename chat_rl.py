@@ -21,15 +21,15 @@ GPU; a laptop has one).
      --mask-truncated keeps cut-off ones out of the loss). format is 1 for the answer given
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0: no gradient, so its rows skip the training passes (their tokens
-     still count in N_i below).
+     scored the same has A = 0: no gradient, so its rows skip the training passes (the default
+     N_i below still counts their tokens).
   5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
      does not model: keep 0). N_i (--loss-norm) is counted on all ranks; C is the step's
-     completions, dropped ones included:
+     completions, unanimous and cut-off ones included:
          all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)          a mean per completion, then of C
@@ -116,7 +116,6 @@ HYPERPARAMETERS = dict(
     device_batch_size=(8, "most rows per forward/backward micro-batch"),
     device_batch_tokens=(16384, "most tokens (rows x padded length) per micro-batch"),
     lr=(3e-6, "AdamW peak learning rate; step s uses lr x (1 - s / num_steps)"),
-    # LoRA (policy/lora.py): a frozen base, adapters trained at several times full FT's lr
     lora_rank=(0, "rank of the LoRA adapters; 0 = full fine-tuning"),
     lora_alpha=(32.0, "LoRA's scale is lora_alpha / lora_rank"),
     lora_targets=("all-linear", "all-linear | q_proj,v_proj,... (,lm_head: trained whole)"),
@@ -281,8 +280,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
         "sequence": completions * sampled_tokens.clamp(min=1),
     }[loss_norm]
-    # rows without gradient add 0: dropped before any pass; the rest in passes of at most
-    # device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
+    # a row without gradient would add 0, so it gets no pass; the kept rows go in passes of at
+    # most device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
                             device_batch_size, device_batch_tokens)  # fmt: skip
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
@@ -414,7 +413,8 @@ def train(cfg, rank, world, device):
                 break
         if not updates:  # a stop came during the first epoch's passes
             break
-        loss, grad_norm = (sum(u[1:], u[0]) / len(u) for u in zip(*updates))  # the epochs' mean
+        losses, norms = zip(*updates)  # each epoch's; the step reports their means
+        loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
         nonfinite_in_row = metrics.check_nonfinite(finite, kept_tokens, nonfinite_in_row,
                                                    cfg.max_nonfinite, step, print0)  # fmt: skip
         row = metrics.step_metrics(
