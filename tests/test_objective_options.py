@@ -444,7 +444,8 @@ def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
         == 0
     )
     # the upper clip is the lower one's unless given
-    assert seen == [dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=0.1)] * 3
+    given = dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=0.1)
+    assert seen == [{**chat_rl.OFF, **given}] * 3  # a flag added to OFF: its off value
 
 
 # ---- two ranks: each rank's gradient is one process's over both ranks' rows ----------------------
