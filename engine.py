@@ -99,7 +99,8 @@ def generate_reference(
     the model still runs there, u[b, t] goes unused, and the token counts toward
     max_new_tokens. The Engine computes the same rows with a KV cache (each prompt's shared by
     its samples), compacts finished rows out of the batch, and spots calls on the device with
-    an automaton equivalent to CALL.
+    an automaton equivalent to CALL. chat_rl.rollout asks for include_stop=True (a finished row
+    keeps its stop token, sampled and trained like any other) and a seed per prompt (uniforms).
     """
     device = model.lm_head.weight.device
     B = len(prompts) * num_samples
