@@ -4,7 +4,7 @@ its samples, each sample's own keys beside them, and a decode pass's attention o
 
 The cache is a layout in the sense of policy/gpt.py's GPT.hidden_states, which states the
 protocol the model speaks to it (rope_and_mask, update in the prefill, attend in a decode pass,
-advance), as fast/logprobs.SharedPrefix speaks it for the loss.
+advance), as fast/shared_prefix.SharedPrefix speaks it for the loss.
 The engine calls share(S) once, between the prefill and the first decode pass, and
 keep_rows(...) between two decode passes when it compacts the batch.
 """

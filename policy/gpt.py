@@ -400,7 +400,7 @@ class GPT(nn.Module):
         at positions 0..T-1 and attend causally. A layout says otherwise: where each token sits and
         what its attention sees. Two kinds speak its four methods: fast/kv_cache.KVCache (the
         sampler's: left-padded prompts, then one token a row per pass) and
-        fast/logprobs.SharedPrefix (the loss's: each prompt once for all its samples; it caches
+        fast/shared_prefix.SharedPrefix (the loss's: each prompt once for all its samples; it caches
         nothing):
           rope_and_mask(T) -> (RoPE rotations of the pass's tokens, a mask or None), once a pass;
           update(layer, k, v) -> the keys and values to attend to, under that mask, here: a pass
