@@ -383,8 +383,7 @@ def train(cfg, rank, world, device):
         t_rollout = time.time() - t0
         if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
             break
-        # the reward failed on every completion of every rank: a bug, stop
-        if failure := metrics.all_rewards_failed(out["reward_errors"], device):
+        if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
         masks = out["masks"]
@@ -399,9 +398,10 @@ def train(cfg, rank, world, device):
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
                     model, out["sequences"], masks, advantages, cfg.num_samples,
-                    cfg.device_batch_size, cfg.loss_norm, device, autocast, cfg.device_batch_tokens,
-                    cfg.temperature, LOGPROBS[cfg.logprobs], tokenizer.vocab_size, options,
-                    setup.reference, saved, stats)  # fmt: skip
+                    cfg.device_batch_size, cfg.loss_norm, device, autocast=autocast,
+                    device_batch_tokens=cfg.device_batch_tokens, temperature=cfg.temperature,
+                    logprobs=LOGPROBS[cfg.logprobs], vocab_size=tokenizer.vocab_size, saved=saved,
+                    options=options, reference=setup.reference, stats=stats)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
