@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import chat_rl
 from engine import Engine
-from fast.logprobs import fast_logprobs, plain_logprobs
+from fast.logprobs import fast_logprobs, make_batch, plain_logprobs
 from plumbing import fsdp, start
 from plumbing.distributed import sync_gradients
 from policy import lora
@@ -72,7 +72,7 @@ def loss_and_grad(s, model, sequences, masks, weights, layout, autocast):
     """Per-token NLL (every target, row-major), the flattened gradient of sum(weight x NLL), and
     the seconds of forward + backward, the log-probs taken one of the LAYOUTS' ways."""
     model.zero_grad(set_to_none=True)
-    inputs, targets = chat_rl.make_batch(sequences, masks, s.device)
+    inputs, targets = make_batch(sequences, masks, s.device)
     logprobs = plain_logprobs if layout == "plain" else fast_logprobs
     # d sum(weight x NLL) / d logp = -weight on every sampled token: what the loss will send back
     loss_grad = -weights[:, None] * (targets >= 0) if layout == "told the loss" else None
@@ -346,7 +346,7 @@ def check_lora(s):
         del model
     norm, cosine = norm_and_cosine(grads[s.dtype], grads[torch.float32])
     model = lora_copy(base, s.dtype)  # the supervised NLL (GPT.forward with targets): head frozen
-    inputs, targets = chat_rl.make_batch(sequences, masks, s.device)
+    inputs, targets = make_batch(sequences, masks, s.device)
     with s.autocast():
         loss = model(inputs, targets)
     loss.backward()
