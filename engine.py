@@ -37,6 +37,10 @@ class Samples(NamedTuple):
     masks: list  # 1 on sampled tokens, 0 on the prompt's and on those the calculator forced
     tool_calls: list  # the row's calls, answered or refused
     tool_errors: list  # of them, the refused ones
+    # per token, aligned with sequences: the sampler's log-prob of each token it drew, under the
+    # distribution it drew from (softmax(logits / temperature), top-k's cut renormalised); 0 on the
+    # prompt, on forced tokens and at temperature 0
+    logprobs: list = None
 
 
 def uniforms(seed, num_prompts, num_samples, max_new_tokens, device):
@@ -107,7 +111,7 @@ def generate_reference(
     u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device)
     prompt = [list(prompts[b // num_samples]) for b in range(B)]
     # each row's generated tokens, and 1 where sampled
-    new, mask = [[] for _ in range(B)], [[] for _ in range(B)]
+    new, mask, logps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     # its completion's text, the tool's tokens to come
     text, pending = [""] * B, [[] for _ in range(B)]
     calls, errors = [0] * B, [0] * B
@@ -120,14 +124,15 @@ def generate_reference(
         ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device)
         last = torch.tensor([len(row) - 1 for row in rows], device=device)
         logits = model(ids)[torch.arange(len(rows), device=device), last, : tokenizer.vocab_size]
-        drawn = sample_reference(logits, u[running, t], temperature, top_k).tolist()
+        drawn, logp = sample_reference(logits, u[running, t], temperature, top_k, logprobs=True)
         still_running = []
-        for b, token in zip(running, drawn):
+        for b, token, lp in zip(running, drawn.tolist(), logp.tolist()):
             forced = bool(pending[b])
             if forced:  # the tool's result goes in place of the draw, which is discarded
-                token = pending[b].pop(0)
+                token, lp = pending[b].pop(0), 0.0
             new[b].append(token)
             mask[b].append(0 if forced else 1)
+            logps[b].append(lp)
             if token in tokenizer.stop_tokens:
                 continue
             still_running.append(b)
@@ -145,25 +150,28 @@ def generate_reference(
                 else:
                     pending[b] = tokenizer.encode(result + ">>")
         running = still_running
-    sequences, masks = [], []
+    sequences, masks, logprobs = [], [], []
     for b in range(B):
         # the stop token kept only on request
         if new[b] and new[b][-1] in tokenizer.stop_tokens and not include_stop:
-            new[b], mask[b] = new[b][:-1], mask[b][:-1]
+            new[b], mask[b], logps[b] = new[b][:-1], mask[b][:-1], logps[b][:-1]
         sequences.append(prompt[b] + new[b])
         masks.append([0] * len(prompt[b]) + mask[b])
-    return Samples(sequences, masks, calls, errors)
+        logprobs.append([0.0] * len(prompt[b]) + logps[b])
+    return Samples(sequences, masks, calls, errors, logprobs)
 
 
-def sample_reference(logits, u, temperature, top_k):
+def sample_reference(logits, u, temperature, top_k, logprobs=False):
     """
     logits (B, V), u (B,) in [0, 1) -> token ids (B,): for each row the first token, in
     vocabulary order, whose cumulative probability exceeds u * total, under
     softmax(logits / temperature) restricted to the entries >= the k-th largest (ties with it
-    kept). temperature 0 = argmax, u unused.
+    kept). temperature 0 = argmax, u unused. logprobs: (tokens, their log-probs (B,) under that
+    distribution; 0 at temperature 0).
     """
     if temperature == 0.0:
-        return logits.argmax(dim=-1)
+        token = logits.argmax(dim=-1)
+        return (token, torch.zeros(token.shape)) if logprobs else token
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -173,7 +181,10 @@ def sample_reference(logits, u, temperature, top_k):
     # if rounding puts u * total at or past the last sum, take the last token that added
     # probability (the first place the cumulative sum reaches its maximum): a token the row
     # could draw
-    return torch.minimum(token, cdf.argmax(dim=-1, keepdim=True))[:, 0]
+    token = torch.minimum(token, cdf.argmax(dim=-1, keepdim=True))[:, 0]
+    if not logprobs:
+        return token
+    return token, logits.log_softmax(dim=-1).gather(1, token[:, None])[:, 0]
 
 
 # ---- the fast sampler --------------------------------------------------------------------------
@@ -182,57 +193,71 @@ BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (sample
 ROWS_X_VOCAB = 2**21  # the sampler's working set, rows x vocabulary entries at a time
 
 
-def sample_next_token(logits, u, temperature=1.0, top_k=None):
+def sample_next_token(logits, u, temperature=1.0, top_k=None, logprobs=False):
     """
     sample_reference's draws, faster: logits (B, V), u (B,) uniform numbers in [0, 1) -> token
     ids (B,), row b drawn from softmax(logits[b] / temperature) restricted to its top_k entries
     (all entries tied with the k-th largest are kept). temperature 0 = greedy argmax, u unused.
+    logprobs: (tokens, their log-probs (B,) under that distribution, read off the probabilities
+    the draw used; 0 at temperature 0).
     Rows go through in chunks of at most ROWS_X_VOCAB entries, so that at every position the
     softmax's temporaries are the same few small tensors, reused from the caches and the
     allocator's free lists, rather than fresh ones the size of all rows x the whole vocabulary.
     """
     if temperature == 0.0:
-        return logits.argmax(dim=-1)
+        token = logits.argmax(dim=-1)
+        return (token, torch.zeros(token.shape, device=token.device)) if logprobs else token
     rows = max(1, ROWS_X_VOCAB // logits.size(-1))
     if logits.size(0) <= rows:
-        return _sample_rows(logits, u, temperature, top_k)
-    return torch.cat(
-        [
+        token, logp = _sample_rows(logits, u, temperature, top_k)
+    else:
+        chunks = [
             _sample_rows(logits[i : i + rows], u[i : i + rows], temperature, top_k)
             for i in range(0, logits.size(0), rows)
         ]
-    )
+        token, logp = (torch.cat(parts) for parts in zip(*chunks))
+    return (token, logp) if logprobs else token
+
+
+def drawn_logprob(probs, token):
+    """log p of each row's drawn token (B,), from the probabilities (B, V) it was drawn with: a
+    gather, not a second pass over the vocabulary (a log-softmax would be one)."""
+    return probs.gather(1, token[:, None])[:, 0].log()
 
 
 def _sample_rows(logits, u, temperature, top_k):
+    """sample_next_token on rows that fit its working set: (tokens, their log-probs)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if not top_k or top_k >= logits.size(-1):
-        return sample_from_probs(torch.softmax(logits, dim=-1), u)
+        probs = torch.softmax(logits, dim=-1)
+        token = sample_from_probs(probs, u)
+        return token, drawn_logprob(probs, token)
     # the k + 1 largest, in descending order: the first k are the candidates, unless the
     # (k+1)-th ties the k-th (then more than k entries are >= the k-th, and all stay in)
     values, ids = torch.topk(logits, top_k + 1, dim=-1)  # (B, k + 1)
     kth = values[:, top_k - 1 : top_k]
     if logits.is_cuda:  # every row over the whole vocabulary: a check for ties would be a host sync
-        return sample_from_probs(
-            torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1), u
-        )
+        probs = torch.softmax(torch.where(logits >= kth, logits, float("-inf")), dim=-1)
+        token = sample_from_probs(probs, u)
+        return token, drawn_logprob(probs, token)
     # sample among the k candidates only, no pass over the whole vocabulary; sorted by token
     # id, so that the same u picks the same token here as on the paths that walk the whole
     # vocabulary in id order
     candidates, order = ids[:, :top_k].sort(dim=-1)
-    picked = sample_from_probs(torch.softmax(values[:, :top_k].gather(1, order), dim=-1), u)
-    token = candidates.gather(1, picked[:, None])[:, 0]
+    probs = torch.softmax(values[:, :top_k].gather(1, order), dim=-1)
+    picked = sample_from_probs(probs, u)
+    token, logp = candidates.gather(1, picked[:, None])[:, 0], drawn_logprob(probs, picked)
     # a row with a tie at the k-th keeps every tied entry, over its whole row: each row's path
     # depends on its own logits alone
     tied = values[:, top_k] == kth[:, 0]
     if bool(tied.any()):
         rows, kth = logits[tied], kth[tied]
-        token[tied] = sample_from_probs(
-            torch.softmax(torch.where(rows >= kth, rows, float("-inf")), dim=-1), u[tied]
-        )
-    return token
+        probs = torch.softmax(torch.where(rows >= kth, rows, float("-inf")), dim=-1)
+        token[tied] = sample_from_probs(probs, u[tied])
+        logp[tied] = drawn_logprob(probs, token[tied])
+    return token, logp
 
 
 def sample_from_probs(probs, u):
@@ -420,8 +445,9 @@ class Engine:
         logits, cache = self.prefill(prompts, num_samples, max_new_tokens)
         B = logits.size(0)
         u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device).T.contiguous()
-        # out[t, b]: original row b's token t
+        # out[t, b]: original row b's token t; logp[t, b], the sampler's log-prob of it
         out = torch.zeros(max_new_tokens, B, dtype=torch.long, device=device)
+        out_logp = torch.zeros(max_new_tokens, B, device=device)
         # original index of each row in the batch, in batch order
         row_ids = torch.arange(B, device=device)
         # positions[t]: t as a tensor, made once
@@ -440,12 +466,14 @@ class Engine:
             forced = torch.zeros(max_new_tokens, B, dtype=torch.bool, device=device)
         for t in range(max_new_tokens):
             n_rows = row_ids.size(0)
-            token = sample_next_token(logits[:, :vocab], u[t], temperature, top_k)
+            token, logp = sample_next_token(logits[:, :vocab], u[t], temperature, top_k, True)
             # a row inside a tool's answer takes its next result token instead
             if tools is not None:
                 token, forced_now, called = tools.feed(t, token, length == max_new_tokens)
                 forced[t].index_copy_(0, row_ids, forced_now)
+                logp = logp.masked_fill(forced_now, 0.0)
             out[t].index_copy_(0, row_ids, token)
+            out_logp[t].index_copy_(0, row_ids, logp)
             length = torch.minimum(
                 length,
                 torch.where(torch.isin(token, stop), positions[t], positions[max_new_tokens]),
@@ -478,14 +506,16 @@ class Engine:
         completion_lengths.index_copy_(0, row_ids, length)
 
         out, completion_lengths = out.T.tolist(), completion_lengths.tolist()
+        out_logp = out_logp.T.tolist()
         # 0 where the tool forced the token
         sampled = [[1] * max_new_tokens] * B if tools is None else (~forced).T.int().tolist()
-        sequences, masks = [], []
+        sequences, masks, logprobs = [], [], []
         for row, n in enumerate(completion_lengths):
             prompt = prompts[row // num_samples]
             # a row that ran out of tokens has no stop token
             n += int(include_stop and n < max_new_tokens)
             sequences.append(list(prompt) + out[row][:n])
             masks.append([0] * len(prompt) + sampled[row][:n])
+            logprobs.append([0.0] * len(prompt) + out_logp[row][:n])
         calls, errors = (tools.calls, tools.errors) if tools is not None else ([0] * B, [0] * B)
-        return Samples(sequences, masks, calls, errors)
+        return Samples(sequences, masks, calls, errors, logprobs)

@@ -159,9 +159,10 @@ def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
     # the bar counts completions
     bar = tqdm(total=len(rows) * (1 + samples), desc="measure", unit="completion", disable=None)
     for temperature, n in ((0.0, 1), (1.0, samples)):
-        seqs, _, calls, _ = engine.generate(
+        out = engine.generate(
             prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, seed=1
         )
+        seqs, calls = out.sequences, out.tool_calls
         texts = [tokenizer.decode(s[len(prompts[i // n]) :]) for i, s in enumerate(seqs)]
         accuracy = sum(
             arith.grade(t, arith.reference(rows[i // n])) for i, t in enumerate(texts)

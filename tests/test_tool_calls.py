@@ -114,7 +114,7 @@ def test_results_are_forced_masked_zero_and_counted():
     scripts = ["<<3*4=12>>12\n#### 12", "7-2=5\n#### 5", "<<10/4=2.5>>2.5 and <<2.5*2=5>>5\n#### 5"]
     model = ScriptedModel(tok, scripts, 1, STOP)
     engine = Engine(model, tok, tool=calculate)
-    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, temperature=1.0, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, temperature=1.0, seed=0)[:4]
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
     assert [forced_text(tok, s, m) for s, m in zip(seqs, masks)] == ["12>>", "", "2.5>>5>>"]
     assert calls == [1, 0, 2] and errors == [0, 0, 0]
@@ -136,7 +136,7 @@ def test_a_refused_expression_forces_nothing_and_is_counted():
     tok = ByteTokenizer()
     scripts = ["<<2+x=5>>5\n#### 5", "<<7//2=3>>3", "<<1/0=0>>"]
     engine = Engine(ScriptedModel(tok, scripts, 1, STOP), tok, tool=calculate)
-    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 3, 1, 64, seed=0)[:4]
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
     assert all(all(m[len(PROMPT) :]) for m in masks)
     assert calls == [1, 1, 1] and errors == [1, 1, 1]
@@ -146,7 +146,7 @@ def test_an_unclosed_call_simply_continues():
     tok = ByteTokenizer()
     scripts = ["<<3*4 is twelve\n#### 12", "<<3*4"]
     engine = Engine(ScriptedModel(tok, scripts, 1, STOP), tok, tool=calculate)
-    seqs, masks, calls, errors = engine.generate([PROMPT] * 2, 1, 32, seed=0)
+    seqs, masks, calls, errors = engine.generate([PROMPT] * 2, 1, 32, seed=0)[:4]
     assert [completion(tok, s, PROMPT) for s in seqs] == scripts
     assert calls == [0, 0] and errors == [0, 0]
 
@@ -174,7 +174,7 @@ def test_rows_mid_call_survive_compaction():
     kw = dict(num_samples=4, max_new_tokens=40, temperature=1.0, seed=0)
     prompts = [PROMPT[:2] + [65 + p] + PROMPT[3:] for p in range(4)]
     together = Engine(ScriptedModel(tok, scripts, 4, STOP), tok, compact_at=0.0, tool=calculate)
-    seqs, masks, calls, _ = together.generate(prompts, **kw)
+    seqs, masks, calls, _ = together.generate(prompts, **kw)[:4]
     assert [completion(tok, s, prompts[i // 4]) for i, s in enumerate(seqs)] == scripts
     for i, (s, m) in enumerate(zip(seqs, masks)):
         alone = Engine(ScriptedModel(tok, [scripts[i]], 1, STOP), tok, tool=calculate)
@@ -265,7 +265,7 @@ def test_calls_work_with_a_bpe_tokenizer_whose_tokens_merge_across_the_syntax(tm
     prompt = tok.encode("Q")
     stop = min(tok.stop_tokens)
     engine = Engine(ScriptedModel(tok, scripts, 1, stop), tok, tool=calculate)
-    seqs, masks, calls, _ = engine.generate([prompt] * 3, 1, 64, seed=0)
+    seqs, masks, calls, _ = engine.generate([prompt] * 3, 1, 64, seed=0)[:4]
     assert [tok.decode(s[len(prompt) :]) for s in seqs] == scripts
     assert calls == [1, 1, 1]
     assert [forced_text(tok, s, k, prompt) for s, k in zip(seqs, masks)] == [
