@@ -90,6 +90,7 @@ HYPERPARAMETERS = dict(
     model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id | Hugging Face folder | PEFT LoRA folder"),
     out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=("", "cpu | cuda | mps; empty = autodetect"),
+    dtype=("auto", "fp32 | bf16 (autocast, fp32 weights) | auto: bf16 where the hardware has it"),
     seed=(0, "seeds data order, sampling and evaluation"),
     resume=(False, "continue from the latest complete checkpoint in out_dir"),
     # rollouts
@@ -108,6 +109,8 @@ HYPERPARAMETERS = dict(
     ppo_epochs=(1, "updates on each rollout; > 1: PPO's clipped ratio in the loss"),
     clip_eps=(0.2, "--ppo-epochs > 1: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]"),
     clip_eps_high=(-1.0, "-1 = --clip-eps; above it: DAPO's clip-higher (its 0.28)"),
+    rollout_correction=("none", "none | tis | mis: the sampler's rounding corrected (README)"),
+    rollout_cap=(2.0, "--rollout-correction's bound on p_trainer / p_sampler (TRL's 2)"),
     logprobs=("fast", "the loss's log-probs: fast | plain (all logits at once)"),
     format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
     # optimisation
@@ -164,7 +167,14 @@ PRESETS = dict(
 # fmt: on
 # objective()'s flags, with their values when off: train() hands it each one's value from the
 # command line as batch.<name>. A flag of your own goes here and in HYPERPARAMETERS.
-OFF = dict(kl_beta=0.0, ppo_epochs=1, clip_eps=0.2, clip_eps_high=0.2)
+OFF = dict(
+    kl_beta=0.0,
+    ppo_epochs=1,
+    clip_eps=0.2,
+    clip_eps_high=0.2,
+    rollout_correction="none",
+    rollout_cap=2.0,
+)  # fmt: skip
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
@@ -181,7 +191,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
-    keys = "sequences masks answer format total tokens completions truncated"
+    keys = "sequences masks logprobs answer format total tokens completions truncated"
     out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
     calls, quiet = range(0, len(prompts), per_call), None if progress else True
     for first in tqdm(calls, desc=progress, unit="call", leave=False, disable=quiet):
@@ -191,6 +201,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
                                   temperature, top_k, include_stop=True, seed=seeds)  # fmt: skip
         for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: per sample
             out[key] += getattr(samples, key)
+        out["logprobs"] += samples.logprobs or [None] * len(samples.sequences)  # None: not kept
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1), the tool's results among them (0)
         completion_ids = seq[len(prompts[i // num_samples]) :]
@@ -230,18 +241,21 @@ def objective(logp, batch):
     sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T) (a row may sample none:
     --mask-truncated), OFF's flags; ref_logp (B, T), the reference's (--kl-beta); old_logp (B, T),
     the sampling policy's after --ppo-epochs' first update (None before it: these weights sampled
-    the rows). Returns (loss, stats), each stat a sum over the sampled tokens, shown in the train
-    row as a mean per token. Both --logprobs paths take any such function's gradient."""
+    the rows); sampler_logp (B, T), what the engine drew each token with. Returns (loss, stats),
+    each stat a sum over the sampled tokens, shown in the train row as a mean per token. Both
+    --logprobs paths take any such function's gradient."""
     A, N, sampled = batch.advantages[:, None], batch.normaliser[:, None], batch.sampled
+    old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
+    correction = rollout_weight(old_logp, batch)  # 1, unless --rollout-correction
     stats = {}
     if batch.ppo_epochs == 1:  # REINFORCE, linear in logp: a sampled token's weight is -A_i / N_i
-        weight = -(A / N) * sampled  # (B, T), 0 where not sampled
+        weight = -(A / N) * correction * sampled  # (B, T), 0 where not sampled
         loss = (weight * logp).sum()
+        stats["clip_frac"] = logp.new_zeros(())  # one update a rollout: the ratio is 1, none clips
     else:  # PPO's clipped surrogate token by token (TRL's "dapo"), ratio 1 until the first update
-        old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
         ratio = torch.exp(logp - old_logp)
         clipped = ratio.clamp(1 - batch.clip_eps, 1 + batch.clip_eps_high)
-        loss = -(torch.minimum(ratio * A, clipped * A) * sampled / N).sum()
+        loss = -(torch.minimum(ratio * A, clipped * A) * correction * sampled / N).sum()
         stats["clip_frac"] = (clipped * A < ratio * A)[sampled].sum()  # the clip holds the ratio
     if batch.kl_beta > 0:  # k3, an estimate of KL(policy || reference) per sampled token, >= 0
         log_ratio = batch.ref_logp - logp
@@ -249,6 +263,44 @@ def objective(logp, batch):
         loss = loss + batch.kl_beta * (k3 * sampled / N).sum()
         stats["kl"] = k3.detach()[sampled].sum()
     return loss, stats
+
+
+def rollout_weight(old_logp, batch):
+    """--rollout-correction's weight of each token (B, T), no gradient through it; 1 without it.
+    The engine samples from q, its own rounding of the policy (bf16, a KV cache), while the loss
+    differentiates the trainer's p: the same weights, other numbers. REINFORCE assumes the tokens
+    came from p; an importance weight p / q makes that so, and a token q drew far likelier than p
+    (a rounding artefact, not the policy) is where training goes astray. tis (truncated, TRL's
+    vllm_importance_sampling_correction): min(p / q, cap). mis (masked): p / q, and 0 where it
+    leaves [1 / cap, cap]. p: the sampling weights' log-probs (old_logp); q: batch.sampler_logp
+    (None, a caller's batch without it: no correction)."""
+    if batch.rollout_correction == "none" or batch.sampler_logp is None:
+        return 1.0
+    ratio = torch.exp(old_logp - batch.sampler_logp)
+    if batch.rollout_correction == "tis":
+        return ratio.clamp(max=batch.rollout_cap)
+    return ratio * ((ratio >= 1 / batch.rollout_cap) & (ratio <= batch.rollout_cap))
+
+
+def sampler_gap(logp, sampler_logp, sampled, cap):
+    """How far the sampler's log-probs q are from the trainer's p on the sampled tokens, as sums
+    (k3, an estimate of KL(q || p) per token; the ratio p / q; tokens with it outside [1 / cap,
+    cap]) and extremes of the ratio: plumbing/metrics.gap_row turns them into the train row's
+    mismatch_* means over all ranks. In fp32 they read 1 and 0 up to rounding; in bf16 they do
+    not."""
+    log_ratio = (logp.detach() - sampler_logp)[sampled]
+    ratio = torch.exp(log_ratio)
+    return dict(
+        sums=torch.stack(
+            [
+                (ratio - log_ratio - 1).sum(),
+                ratio.sum(),
+                ((ratio < 1 / cap) | (ratio > cap)).sum(),
+            ]
+        ),
+        high=ratio.max() if ratio.numel() else torch.ones(()),
+        low=ratio.min() if ratio.numel() else torch.ones(()),
+    )
 
 
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
@@ -264,11 +316,13 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
                              loss_norm, device, autocast=nullcontext(),
                              device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
                              vocab_size=None, options=OFF, reference=None, saved=None,
-                             stats=None):  # fmt: skip
+                             stats=None, sampler_logp=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
     sum to L however the step is split. options: OFF's flags; reference: opens a block yielding the
-    frozen start (--kl-beta); saved: rows' log-probs across epochs; stats: objective()'s, summed."""
+    frozen start (--kl-beta); saved: rows' log-probs across epochs; stats: objective()'s, summed;
+    sampler_logp: each row's log-probs as the engine sampled it (Samples.logprobs; None: taken as
+    the trainer's); gaps: a list the first epoch's passes append their sampler_gap to."""
     sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask 1 = sampled
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
@@ -293,7 +347,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
                                 advantages=advantages[rows].to(device),
                                 normaliser=normaliser[rows].to(device),
                                 old_logp=saved.get("old_logp", rows),
-                                ref_logp=saved.get("ref_logp", rows))  # fmt: skip
+                                ref_logp=saved.get("ref_logp", rows),
+                                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
         if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
             with torch.no_grad(), autocast, reference() as frozen:
                 batch.ref_logp = logprobs(
@@ -307,6 +362,11 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
             logp = logprobs(
                 model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size
             )
+        # the weights that sampled the rows: how far the sampler's numbers are from these
+        if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
+            gaps.append(
+                sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
+            )
         loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
         loss.backward()
         loss_sum += loss.detach()
@@ -315,6 +375,15 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         for name, value in batch_stats.items():
             stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
+
+
+def token_values(values, rows, device):
+    """(B, T) of the rows' per-token values (lists aligned with their sequences), laid out as
+    make_batch lays out targets: token t + 1 at t, 0-padded; None without values."""
+    if values is None or any(values[i] is None for i in rows):
+        return None
+    rows = [torch.tensor(values[i][1:], dtype=torch.float32) for i in rows]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
 
 
 def without_truncated(masks, truncated):
@@ -352,7 +421,8 @@ def train(cfg, rank, world, device):
     num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
     options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
     options["clip_eps_high"] = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
-    print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed))
+    print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed,
+                              setup.dtype_why))  # fmt: skip
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
     last_saved = start_step if setup.resumed else -1  # the newest checkpoint's step: none twice
     step, nonfinite_in_row, failure, t_start = start_step, 0, None, time.time()
@@ -392,6 +462,7 @@ def train(cfg, rank, world, device):
         model.train()
         lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
         saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
+        gaps = []  # the sampler's log-probs against the trainer's, pass by pass
         for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
             optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
             # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
@@ -401,7 +472,8 @@ def train(cfg, rank, world, device):
                     cfg.device_batch_size, cfg.loss_norm, device, autocast=autocast,
                     device_batch_tokens=cfg.device_batch_tokens, temperature=cfg.temperature,
                     logprobs=LOGPROBS[cfg.logprobs], vocab_size=tokenizer.vocab_size, saved=saved,
-                    options=options, reference=setup.reference, stats=stats)  # fmt: skip
+                    options=options, reference=setup.reference, stats=stats,
+                    sampler_logp=out["logprobs"], gaps=gaps)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
@@ -421,7 +493,8 @@ def train(cfg, rank, world, device):
             step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
             grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
             state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
-            **metrics.per_token(stats, kept_tokens * len(updates), device))  # fmt: skip
+            **metrics.per_token(stats, kept_tokens * len(updates), device),
+            **metrics.gap_row(gaps, kept_tokens, device))  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))

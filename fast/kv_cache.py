@@ -55,11 +55,12 @@ class KVCache:
         assert self.pos == 0, "update() is the prefill's; decode passes go through attend()"
         P, Hkv, T, D = k.shape
         self.prompt_len = T
-        self.prompt_k[layer], self.prompt_v[layer] = (
-            k.reshape(P * Hkv, T, D).contiguous(),
-            v.reshape(P * Hkv, T, D).contiguous(),
-        )
-        return self.prompt_k[layer].view(P, Hkv, T, D), self.prompt_v[layer].view(P, Hkv, T, D)
+        keys = k.reshape(P * Hkv, T, D).contiguous()
+        # kept in fp32 for attend's fp32 scores: under bf16 autocast an exact upcast, made once
+        # here rather than at every decode pass (the values stay in the pass's dtype)
+        self.prompt_k[layer] = keys.float()
+        self.prompt_v[layer] = v.reshape(P * Hkv, T, D).contiguous()
+        return keys.view(P, Hkv, T, D), self.prompt_v[layer].view(P, Hkv, T, D)
 
     def share(self, num_samples):
         """After the prefill: row r = sample r % S of prompt r // S (prompt-major); B = P * S."""
@@ -67,7 +68,7 @@ class KVCache:
         self.samples, self.decoding, self.rows_shape = num_samples, True, (P, num_samples)
         self.first_position = T - self.pad.repeat_interleave(num_samples)
         B, Hkv = P * num_samples, self.prompt_k[0].size(0) // P
-        # in the keys' dtype (autocast's)
+        # keys in fp32 (as the prompt's: update), values in the pass's dtype (bf16 under autocast)
         self.k = [k.new_zeros(B, Hkv, self.max_new_tokens, k.size(2)) for k in self.prompt_k]
         self.v = [v.new_zeros(B, Hkv, self.max_new_tokens, v.size(2)) for v in self.prompt_v]
         # (P * Hkv, 1, T): -inf on each prompt's padding, the same for all its samples whatever
@@ -114,15 +115,15 @@ class KVCache:
         slots = own_k.size(2)
         # the scores in fp32, as the training pass's attention kernel keeps them: in bf16
         # (autocast's) a score of 20 is off by up to 0.06, and so is each probability, relatively; q
-        # and the keys are upcast, outside autocast
+        # is upcast, the keys are kept in fp32 (update, write_own), and autocast is off
         # contiguous: a view as (B * Hkv, g, D) batches the own part's matmuls
         q = q.view(B, Hkv, g, D).float() * D**-0.5
         with torch.autocast(q.device.type, enabled=False):
             # the prompt scores with its padding mask (P * Hkv, 1, T) added by the same call; the
             # own slots read are all written, so they need no mask
-            prompt_k = self.prompt_k[layer].float().transpose(1, 2)
+            prompt_k = self.prompt_k[layer].transpose(1, 2)
             prompt_scores = torch.baddbmm(self.prompt_mask, self._to_grid(q), prompt_k)
-            own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).float().transpose(1, 2))
+            own_scores = torch.bmm(q.flatten(0, 1), own_k.flatten(0, 1).transpose(1, 2))
         # one softmax over prompt and own keys; the cat also brings the prompt part back to rows
         scores = torch.cat(
             [self._from_grid(prompt_scores), own_scores.view(*self.rows_shape, Hkv, g, slots)],

@@ -110,8 +110,8 @@ class ChunkedNLL(torch.autograd.Function):
     Peak: that buffer plus one chunk's logits. (torch.utils.checkpoint per chunk recomputes
     too, but autograd then makes a fresh (V, C) head gradient per chunk before adding it up: a
     second head-sized buffer.)
-    Under autocast the recomputed logits are made as forward made them (bf16 matmul); the
-    gradient matmuls run in fp32, the gradients' dtype.
+    Under autocast the recomputed logits are made as forward made them (bf16 matmul), and so are
+    the gradient matmuls (add_chunk_grads), the sums in fp32.
     """
 
     @staticmethod
@@ -155,9 +155,10 @@ def nll_grads(h, weight, targets, lse, grad_nll, chunk, temperature, autocast, n
     `autocast`, the settings it ran under).
     """
     # fp32 buffers whatever h and the head are (bf16 under --fsdp on CUDA, or LoRA's base): the
-    # gradient matmuls write fp32; the gradients go back in their inputs' dtypes at the end
+    # gradients are summed in fp32 and go back in their inputs' dtypes at the end
     grad_h = torch.empty(h.shape, device=h.device) if needed[0] else None
     grad_w = torch.zeros(weight.shape, device=h.device) if needed[1] else None
+    mm_weight = weight.to(matmul_dtype(weight, autocast))  # cast once, not once a chunk
     for s in range(0, h.size(0), chunk):
         rows = slice(s, s + chunk)
         with torch.autocast(**autocast):
@@ -168,7 +169,7 @@ def nll_grads(h, weight, targets, lse, grad_nll, chunk, temperature, autocast, n
             targets[rows],
             grad_nll[rows] / temperature,
             h[rows],
-            weight,
+            mm_weight,
             None if grad_h is None else grad_h[rows],
             grad_w,
         )
@@ -176,6 +177,12 @@ def nll_grads(h, weight, targets, lse, grad_nll, chunk, temperature, autocast, n
         None if grad_h is None else grad_h.to(h.dtype),
         None if grad_w is None else grad_w.to(weight.dtype),
     )
+
+
+def matmul_dtype(weight, autocast):
+    """The head's matmuls' dtype, its gradients' too: autocast's where it is on (its cast of the
+    weight, once per pass), else the weight's own."""
+    return autocast["dtype"] if autocast["enabled"] else weight.dtype
 
 
 def autocast_state(device):
@@ -193,16 +200,24 @@ def add_chunk_grads(probs, targets, scale, h, weight, grad_h, grad_w, total=None
     states and the head: probs (n, V) fp32, the softmax of the logits of h (n, C) or, with
     total (n,), its numerators exp(z - max) over their sum, turned in place into
     d / d logits = (softmax - onehot) * scale (n,); then grad_h (n, C) = that @ weight,
-    written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if None). The
-    gradient matmuls run in fp32, the gradients' dtype, under autocast too.
+    written (skipped if None), and grad_w (V, C) += its transpose @ h (skipped if None), both
+    fp32. The gradient matmuls run in weight's dtype: fp32, or bf16 (autocast's cast of the head,
+    matmul_dtype) as autograd's own Linear backward would run them under autocast.
     """
     grad = probs.mul_((scale if total is None else scale / total)[:, None])
     grad.scatter_add_(1, targets[:, None], -scale[:, None])  # - onehot
     with torch.autocast(h.device.type, enabled=False):
+        if weight.dtype == torch.float32:
+            if grad_h is not None:
+                torch.matmul(grad, weight, out=grad_h)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h.float())
+            return
+        grad = grad.to(weight.dtype)
         if grad_h is not None:
-            torch.matmul(grad, weight.to(grad.dtype), out=grad_h)
+            grad_h.copy_(grad @ weight)
         if grad_w is not None:
-            grad_w.addmm_(grad.t(), h.to(grad.dtype))
+            grad_w.add_(grad.t() @ h.to(weight.dtype))
 
 
 class SampledLogprobs(torch.autograd.Function):
@@ -232,12 +247,13 @@ class SampledLogprobs(torch.autograd.Function):
         # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its
         # allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
+        autocast = autocast_state(h.device.type)
+        mm_weight = weight.to(matmul_dtype(weight, autocast))  # cast once, not once a chunk
         for s in range(0, h.size(0), chunk):
             rows = slice(s, s + chunk)
             logits = buffer[: h[rows].size(0)]
-            if torch.is_autocast_enabled(h.device.type) or weight.dtype != torch.float32:
-                # the matmul in autocast's (or the model's) dtype
-                logits.copy_(F.linear(h[rows] / temperature, weight))
+            if mm_weight.dtype != torch.float32:  # autocast's (or the model's) dtype
+                logits.copy_(torch.mm((h[rows] / temperature).to(mm_weight.dtype), mm_weight.t()))
             else:
                 torch.mm(h[rows] / temperature, weight.t(), out=logits)
             target_logits = logits.gather(1, targets[rows, None])[:, 0]
@@ -255,14 +271,14 @@ class SampledLogprobs(torch.autograd.Function):
                 targets[rows],
                 -loss_grad[rows] / temperature,
                 h[rows],
-                weight,
+                mm_weight,
                 None if grad_h is None else grad_h[rows],
                 grad_w,
                 total=total,
             )
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.grads, ctx.loss_grad = (grad_h, grad_w), loss_grad
-        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast_state(h.device.type)
+        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast
         return logp
 
     @staticmethod

@@ -10,10 +10,11 @@ move in their last bits, as they do with the batch's size; the tests hold the pa
 reference sampler (tests/test_packed_linear.py). docs/benchmarks.md has what it gains.
 
 packed_linears(model) changes nothing else about an nn.Linear, and only where it pays: on an x86
-CPU, in fp32, for weights of at least MIN_WEIGHT entries. Below that (the demo's 128-wide model)
-MKL is as fast, and small models keep their exact numbers. The packed copies live for one generate
-call, one more copy of those weights in memory while the engine samples, packed again at every
-call since training changes the weights between calls.
+CPU, in fp32 (or in bf16 under --dtype=bf16's autocast: packed in bf16, the weight is cast once a
+call rather than at every position), for weights of at least MIN_WEIGHT entries. Below that (the
+demo's 128-wide model) MKL is as fast, and small models keep their exact numbers. The packed
+copies live for one generate call, one more copy of those weights in memory while the engine
+samples, packed again at every call since training changes the weights between calls.
 """
 
 import platform
@@ -26,18 +27,28 @@ MIN_WEIGHT = 2**18  # entries of a weight worth packing: 1 MiB in fp32
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def can_pack(weight):
-    """Whether oneDNN's packed matmul serves weight: fp32 on an x86 CPU (on ARM torch's own matmuls
-    use other libraries), a plain tensor (not FSDP's sharded one), outside CPU autocast (which casts
-    the weight itself), oneDNN built into torch."""
-    return (
+def pack_dtype(weight):
+    """The dtype oneDNN's packed matmul serves weight in, or None where it does not: on an x86 CPU
+    (on ARM torch's own matmuls use other libraries), a plain tensor (not FSDP's sharded one),
+    oneDNN built into torch; fp32 outside autocast, bf16 under CPU autocast to bf16 (--dtype=bf16),
+    which then casts the weight once per call instead of once per token."""
+    if not (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
         and type(weight.data) is torch.Tensor
-        and not torch.is_autocast_enabled("cpu")
         and X86
         and torch.backends.mkldnn.is_available()
-    )
+    ):
+        return None
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32 if weight.dtype == torch.float32 else None
+    dtype = torch.get_autocast_dtype("cpu")
+    ok = dtype == torch.bfloat16 and weight.dtype in (torch.float32, torch.bfloat16)
+    return dtype if ok else None
+
+
+def can_pack(weight):
+    """Whether oneDNN's packed matmul serves weight (pack_dtype)."""
+    return pack_dtype(weight) is not None
 
 
 def packable(linear):
@@ -46,18 +57,18 @@ def packable(linear):
     return can_pack(w) and w.numel() >= MIN_WEIGHT and "forward" not in vars(linear)
 
 
-def pack(weight, rows):
-    """weight (out, in) -> its packed copy for packed_forward; rows: x's rows, a layout hint."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+def pack(weight, rows, dtype=torch.float32):
+    """weight (out, in) -> its packed copy in dtype for packed_forward; rows: x's rows, a layout
+    hint."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), rows)
 
 
-def packed_forward(packed, bias):
-    """x (..., in) -> x @ W.T + bias, the matmul oneDNN's, on W packed by pack()."""
+def packed_forward(packed, bias, dtype=torch.float32):
+    """x (..., in) -> x @ W.T + bias in dtype, the matmul oneDNN's, on W packed by pack(): x cast
+    to dtype first, as autocast casts a Linear's input."""
 
     def forward(x):
-        if x.dtype != torch.float32:  # can_pack let in fp32 weights only, outside autocast
-            raise TypeError(f"a packed Linear takes fp32 inputs, not {x.dtype}")
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
 
     return forward
 
@@ -74,9 +85,11 @@ def packed_linears(model, rows=128):
         with torch.no_grad():
             for linear in model.modules():
                 if isinstance(linear, nn.Linear) and packable(linear):
-                    bias = None if linear.bias is None else linear.bias.detach()
+                    dtype = pack_dtype(linear.weight)
+                    bias = None if linear.bias is None else linear.bias.detach().to(dtype)
                     # an instance attribute shadows nn.Linear.forward; the module's hooks still run
-                    linear.forward = packed_forward(pack(linear.weight, rows), bias)
+                    packed = pack(linear.weight, rows, dtype)
+                    linear.forward = packed_forward(packed, bias, dtype)
                     patched.append(linear)
         yield
     finally:

@@ -27,11 +27,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from plumbing import fsdp
-from plumbing.distributed import compute_dtype, is_sharded
+from plumbing.distributed import compute_dtype, cpu_bf16_units, dtype_choice, is_sharded
 from plumbing.flags import ConfigError, RunError
 from policy import lora
-from policy.gpt import GPT
-from policy.hf_folder import write_config, write_weights
+from policy.gpt import GPT, config_from_hf
+from policy.hf_folder import read_json, resolve_folder, write_config, write_weights
 from policy.tokenizer import load_tokenizer
 
 # settings that may change between a run and its resumption without changing what it computes
@@ -60,6 +60,8 @@ ADDED = {
     "ppo_epochs": 1,
     "clip_eps": 0.2,
     "clip_eps_high": -1.0,
+    "rollout_correction": "none",
+    "rollout_cap": 2.0,
 }
 
 # the repository root, above plumbing/
@@ -84,14 +86,34 @@ def load_policy(path, device, dtype=torch.float32, keep_fp32=()):
         raise RunError(f"cannot load model {path!r}: {e}") from None
 
 
+def model_config(name):
+    """The GPTConfig of --model (a PEFT folder's: its base's), from its config.json alone."""
+    path = os.path.join(REPO, "demo_model") if name == "demo_model" else name
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        return model_config(lora.read_adapter_config(path)[0])
+    try:
+        return config_from_hf(read_json(os.path.join(resolve_folder(path), "config.json")))
+    except (OSError, ValueError) as e:
+        raise RunError(f"cannot load model {name!r}: {e}") from None
+
+
+def run_dtype(cfg, device):
+    """--dtype resolved for this run: ("fp32" | "bf16", why); auto looks at the model's config
+    only where the hardware's answer is not enough (a CPU with bf16 units)."""
+    config = None
+    if cfg.dtype == "auto" and torch.device(device).type == "cpu" and cpu_bf16_units():
+        config = model_config(cfg.model)
+    return dtype_choice(device, cfg.dtype, config)
+
+
 def build_policy(cfg, state, device, dtype=None):
     """
     The run's (model, tokenizer): --model, or the checkpoint a resumed run continues. --model may be
     a PEFT LoRA folder (adapter_config.json): its base with the adapter, merged in for full
     fine-tuning, trained on with --lora-rank. With --lora-rank > 0 the base is frozen in dtype
-    (None: distributed.compute_dtype, bf16 on CUDA, fp32 elsewhere) and the adapters train
-    (policy/lora.py); a resumed LoRA run reloads its base from --model and its adapters from the
-    checkpoint.
+    (None: cfg.dtype as run_dtype resolved it, or else bf16 on CUDA and fp32 elsewhere) and the
+    adapters train (policy/lora.py); a resumed LoRA run reloads its base from --model and its
+    adapters from the checkpoint.
     """
     source = (
         (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model
@@ -107,7 +129,7 @@ def build_policy(cfg, state, device, dtype=None):
         )
     if cfg.lora_rank and not adapter:
         targets = lora.parse_targets(cfg.lora_targets)
-    dtype = dtype or compute_dtype(device)
+    dtype = dtype or compute_dtype(device, None if cfg.dtype == "auto" else cfg.dtype)
     base_dtype = dtype if cfg.lora_rank and dtype != torch.float32 else None
     # a frozen base is read in its dtype straight from the file (read in fp32 first, a 7B base would
     # take 30 GB of the GPU before its cast to 15); the modules a LoRA run trains whole stay fp32
@@ -282,7 +304,7 @@ def resume_point(cfg, world, device, restarted=False):
             f"to continue it, give the same command plus --resume; "
             f"to start another, pass --out-dir={_free_folder(cfg.out_dir)}"
         )
-    start_step, state = find_resumable(cfg, world) if resume else (0, None)
+    start_step, state = find_resumable(cfg, world, device) if resume else (0, None)
     if world > 1:  # and they must have looked before rank 0 writes anything
         found = torch.tensor([start_step, -start_step], device=device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -302,7 +324,7 @@ def _free_folder(out_dir):
     return f"{base}-{n}"
 
 
-def find_resumable(cfg, world):
+def find_resumable(cfg, world, device="cpu"):
     """(step, state) of the latest checkpoint in out_dir, or (0, None) if there is none yet.
     A checkpoint that cannot be read, or whose config differs in a way that matters, is refused."""
     dirs = _ckpt_dirs(cfg.out_dir)
@@ -330,17 +352,22 @@ def find_resumable(cfg, world):
             f"move it away to resume from an earlier one"
         ) from None
     saved = {**ADDED, **state["config"]}
+    if "dtype" not in state["config"]:  # before --dtype a run computed in the device's default
+        saved["dtype"] = "bf16" if torch.device(device).type == "cuda" else "fp32"
+    elif saved["dtype"] == "auto":  # a checkpoint written outside start(), which resolves it
+        saved["dtype"] = run_dtype(SimpleNamespace(dtype="auto", model=cfg.model), device)[0]
     # kept_tokens' name in earlier checkpoints: the same computation
     if saved.get("loss_norm") == "token":
         saved = {**saved, "loss_norm": "kept_tokens"}
-    differs = [
-        k for k in saved if k not in MAY_DIFFER and k in vars(cfg) and saved[k] != getattr(cfg, k)
-    ]
+    current = vars(cfg)
+    if cfg.dtype == "auto":  # not resolved yet (start() resolves it first): as it will be
+        current = {**current, "dtype": run_dtype(cfg, device)[0]}
+    differs = [k for k in saved if k not in MAY_DIFFER and k in current and saved[k] != current[k]]
     if state.get("world_size") != world:
         differs.append(f"world size ({state.get('world_size')} -> {world})")
     if differs:
         detail = ", ".join(
-            f"{k} ({saved[k]!r} -> {getattr(cfg, k)!r})" if k in saved else k for k in differs
+            f"{k} ({saved[k]!r} -> {current[k]!r})" if k in saved else k for k in differs
         )
         hint = ""
         # the same flags, other rows: a data file edited or a hub data set updated

@@ -72,12 +72,55 @@ def init_process_group(device, store, rank, world):
     )
 
 
-def compute_dtype(device):
-    """What the matmuls run in on `device`: bf16 on CUDA (the trained weights stay fp32 under
-    autocast; --fsdp gathers them in bf16; LoRA's frozen base is bf16), fp32 elsewhere, where bf16
-    is slow. The tests ask for bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to run
-    CUDA's configuration where CI runs."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+def compute_dtype(device, choice=None):
+    """What the matmuls run in on `device`, as a torch dtype: --dtype resolved ("fp32" | "bf16",
+    dtype_choice), or None for the hardware's default, bf16 on CUDA and fp32 elsewhere. bf16 means
+    autocast over fp32 weights (AdamW's master copy); --fsdp gathers them in bf16 and LoRA's frozen
+    base is bf16. The tests ask for bf16 on the CPU, which has bf16 autocast and FSDP over gloo, to
+    run CUDA's configuration where CI runs."""
+    if choice is None:
+        choice = "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+
+
+def dtype_choice(device, choice="auto", config=None):
+    """--dtype resolved: ("fp32" or "bf16", why, for the start line). auto: bf16 on CUDA, and on a
+    CPU with bf16 units if the model's matmuls are large enough to gain (config: its GPTConfig);
+    fp32 elsewhere."""
+    device = torch.device(device)
+    if choice != "auto":
+        return choice, "--dtype"
+    if device.type == "cuda":
+        return "bf16", "auto: CUDA"
+    if device.type != "cpu":
+        return "fp32", f"auto: {device.type}"
+    if not cpu_bf16_units():
+        return "fp32", "auto: this CPU has no bf16 units"
+    if config is not None and not bf16_pays(config):
+        return "fp32", "auto: the model's matmuls are too small for bf16 to pay"
+    return "bf16", "auto: this CPU has bf16 units"
+
+
+def cpu_bf16_units():
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX tiles): without them torch
+    emulates bf16 matmuls in fp32, slower than fp32 itself."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+# a decoder-layer matmul of fewer weights gains nothing from bf16 on a CPU: it is too short to
+# outweigh the casts around it (docs/benchmarks.md: the demo's 0.8M-parameter model)
+BF16_MIN_WEIGHT = 2**18
+
+
+def bf16_pays(config):
+    """Whether a model of this GPTConfig has a decoder-layer matmul (its fused gate/up or q/k/v
+    weight) of at least BF16_MIN_WEIGHT entries: the head aside, since a tiny model with a large
+    vocabulary still computes little per token."""
+    c = config
+    rows = max(
+        2 * c.intermediate_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    )
+    return rows * c.hidden_size >= BF16_MIN_WEIGHT
 
 
 def restart_count():

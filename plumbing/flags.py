@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from plumbing.distributed import setup_distributed
+from plumbing.distributed import cpu_bf16_units, setup_distributed
 from policy import lora
 from tasks import generic
 from tasks.common import get_task
@@ -234,6 +234,14 @@ def check_config(cfg, world_size):
             f"--max-new-tokens={cfg.max_new_tokens}: "
             f"one completion, without its prompt, may need more than a micro-batch holds"
         )
+    if cfg.dtype not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"unknown --dtype {cfg.dtype!r} (auto | fp32 | bf16)")
+    if cfg.dtype == "bf16" and cfg.device_type in ("", "cpu") and not torch.cuda.is_available():
+        if not cpu_bf16_units() and int(os.environ.get("RANK", 0)) == 0:
+            print(
+                "chat_rl: warning: --dtype=bf16 on a CPU without bf16 units (AVX512-BF16 or AMX): "
+                "torch emulates its matmuls, several times slower than --dtype=fp32"
+            )
     if cfg.logprobs not in ("fast", "plain"):
         raise ConfigError(f"unknown --logprobs {cfg.logprobs!r} (fast | plain)")
     if cfg.tool not in ("calculator", "none"):
@@ -294,7 +302,7 @@ def check_config(cfg, world_size):
 
 
 def check_objective(cfg):
-    """--kl-beta, --ppo-epochs and the clip (chat_rl.objective)."""
+    """--kl-beta, --ppo-epochs, the clip and --rollout-correction (chat_rl.objective)."""
     if not (math.isfinite(cfg.kl_beta) and cfg.kl_beta >= 0):
         raise ConfigError(f"--kl-beta must be a finite number >= 0 (0 = off), got {cfg.kl_beta}")
     if cfg.ppo_epochs < 1:
@@ -306,6 +314,12 @@ def check_objective(cfg):
             f"--clip-eps-high must be -1 (= --clip-eps) or a finite number >= 0, "
             f"got {cfg.clip_eps_high}"
         )
+    if cfg.rollout_correction not in ("none", "tis", "mis"):
+        raise ConfigError(
+            f"unknown --rollout-correction {cfg.rollout_correction!r} (none | tis | mis)"
+        )
+    if not (math.isfinite(cfg.rollout_cap) and cfg.rollout_cap > 1):
+        raise ConfigError(f"--rollout-cap must be a finite number above 1, got {cfg.rollout_cap}")
     if cfg.kl_beta > 0 and cfg.fsdp:
         raise ConfigError(
             "--kl-beta with --fsdp is not built: its frozen reference would be "

@@ -68,6 +68,27 @@ def per_token(sums, tokens, device):
     return {name: total / max(tokens, 1) for name, total in zip(names, totals)}
 
 
+def gap_row(gaps, kept_tokens, device):
+    """The step's sampler/trainer gap (chat_rl.sampler_gap of each pass of its first epoch) as the
+    train row's mismatch_* entries, over all ranks: k3 (KL(sampler || trainer) per token), the mean
+    ratio p_trainer / p_sampler, the share of tokens past the correction's cap, the largest and the
+    smallest ratio; None in a step that kept no row. Every rank calls it (two collectives)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    extremes = torch.tensor([0.0, -math.inf], dtype=torch.float64, device=device)  # max, -min
+    for gap in gaps:
+        sums += gap["sums"].double()
+        extremes = torch.maximum(extremes, torch.stack([gap["high"], -gap["low"]]).double())
+    all_reduce_sum(sums)
+    if dist.is_initialized():
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    names = ("mismatch_k3", "mismatch_ratio", "mismatch_past_cap")
+    if kept_tokens == 0:
+        return dict.fromkeys((*names, "mismatch_ratio_max", "mismatch_ratio_min"))
+    row = {name: total / kept_tokens for name, total in zip(names, sums.tolist())}
+    high, low = extremes.tolist()
+    return {**row, "mismatch_ratio_max": high, "mismatch_ratio_min": -low}
+
+
 def peak_memory_gb(device):
     """The most CUDA memory allocated since the last call (the first: since the run started), in
     GiB; then the count starts again. Each train row so shows its own step's peak (with the eval or
@@ -100,7 +121,7 @@ def eval_line(step, metrics):
     return f"eval step {step}: {shown}" if step is not None else f"eval (no chat_rl step): {shown}"
 
 
-def start_line(cfg, model, world, device, start_step, num_steps, resumed):
+def start_line(cfg, model, world, device, start_step, num_steps, resumed, dtype_why=""):
     """The run's first words: what trains where (a LoRA run: how many of the parameters), from
     which step to which, and where it writes."""
     steps = "eval only" if cfg.eval_only else f"{start_step}->{num_steps}"
@@ -110,7 +131,8 @@ def start_line(cfg, model, world, device, start_step, num_steps, resumed):
     )
     return (
         f"chat_rl: task={cfg.task} model={cfg.model} ({params}) ranks={world} "
-        f"device={device.type} steps={steps} out={cfg.out_dir}"
+        f"device={device.type} dtype={cfg.dtype}{f' ({dtype_why})' if dtype_why else ''} "
+        f"steps={steps} out={cfg.out_dir}"
         + (
             " (--resume: no checkpoint there yet, so from step 0)"
             if cfg.resume and not resumed

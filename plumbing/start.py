@@ -13,7 +13,7 @@ from calculator import calculate
 from engine import Engine
 from plumbing import checkpoint, fsdp
 from plumbing.data import load_data, rows_fingerprint
-from plumbing.distributed import restart_count
+from plumbing.distributed import compute_dtype, restart_count
 from plumbing.flags import load_task
 from plumbing.metrics import MetricsLog
 
@@ -27,6 +27,9 @@ def adamw(parameters, lr, weight_decay):
 
 def start(cfg, rank, world, device):
     """The run's parts, as a namespace of the names below."""
+    # --dtype resolved first: a checkpoint records what its run computed in, which resuming checks
+    cfg.dtype, dtype_why = checkpoint.run_dtype(cfg, device)
+    dtype = compute_dtype(device, cfg.dtype)
     task = load_task(cfg)
     train_rows, eval_rows = load_data(task, cfg)
     cfg.rows_fingerprint = rows_fingerprint(train_rows)  # in checkpoints: --resume checks the rows
@@ -36,17 +39,17 @@ def start(cfg, rank, world, device):
     start_step, state = checkpoint.resume_point(cfg, world, device, restarted)  # fresh: (0, None)
     # with --lora-rank, adapters; under --fsdp the whole model is only ever on the CPU: each unit
     # moves to the device as it is sharded
-    model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device)
-    model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing)
+    model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device, dtype)
+    model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing, dtype)
     engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
     peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = adamw(trained, peak_lr, cfg.weight_decay)
     checkpoint.restore(state, model, optimizer, rank)  # a resumed run's AdamW state and RNGs
     reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
-    # trained weights stay fp32; on a GPU the passes run in bf16
-    cuda = device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    # trained weights stay fp32 (AdamW's master copy); with bf16 the passes compute in it
+    bf16 = dtype == torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=dtype) if bf16 else nullcontext()
     log = MetricsLog(cfg.out_dir, rank, keep_below_step=start_step, wandb_project=cfg.wandb,
                      config=vars(cfg))  # fmt: skip
     resumed = state is not None
@@ -54,4 +57,4 @@ def start(cfg, rank, world, device):
                            num_steps=num_steps, start_step=start_step, resumed=resumed,
                            model=model, tokenizer=tokenizer, engine=engine, peak_lr=peak_lr,
                            optimizer=optimizer, reference=reference, autocast=autocast,
-                           log=log)  # fmt: skip
+                           dtype_why=dtype_why, log=log)  # fmt: skip

@@ -412,7 +412,8 @@ def test_each_epoch_starts_from_a_zero_gradient_and_takes_its_own_update(
     assert entered == [True] * 2 * epochs and steps == list(range(1, 2 * epochs + 1))  # AdamW's
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert all(("kl" in r, "clip_frac" in r) == (bool(extra), epochs > 1) for r in rows)  # if on
+    assert all(("kl" in r) == bool(extra) and "clip_frac" in r for r in rows)  # the kl if on
+    assert all(r["clip_frac"] == 0 for r in rows if epochs == 1)  # one update: the ratio is 1
     if extra:  # at the start (LoRA: the base, B = 0) the kl is 0; an update later it is not
         assert (abs(rows[0]["kl"]) < 1e-6 or epochs > 1) and rows[1]["kl"] > 1e-6
         assert all(0 <= r["clip_frac"] < 1 for r in rows if epochs > 1)

@@ -28,8 +28,8 @@ def pack_every_linear(monkeypatch):
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     calls, plain = [0], packed_linear.packed_forward
 
-    def counting(packed, bias):
-        forward = plain(packed, bias)
+    def counting(packed, bias, dtype=torch.float32):
+        forward = plain(packed, bias, dtype)
 
         def counted(x):
             calls[0] += 1
@@ -113,5 +113,7 @@ def test_the_engine_with_every_linear_packed_samples_what_the_reference_samples(
     fast = Engine(model, tokenizer, compact_at=0.0, tool=calculate).generate(prompts, **kw)
     assert pack_every_linear[0] > 0
     plain = generate_reference(model, tokenizer, prompts, tool=calculate, **kw)
-    assert fast == plain
+    assert fast[:4] == plain[:4]  # tokens, masks, calls and refusals; the log-probs up to rounding
+    for a, b in zip(fast.logprobs, plain.logprobs):
+        assert a == pytest.approx(b, abs=1e-4)
     assert temperature == 0.0 or sum(fast.tool_calls) > 0  # sampled, some rows call the calculator
