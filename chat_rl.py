@@ -154,7 +154,7 @@ PRESETS = dict(
     demo=dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
               examples_per_step=12, max_new_tokens=64, num_steps=150, device_batch_size=64,
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
-    # README "A real model on a laptop": SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
+    # docs/smollm2.md: SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
     # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
                  device_type="cpu", examples_per_step=8, num_samples=8, max_new_tokens=64,
