@@ -56,7 +56,7 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
     python -m chat_rl                                    # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
-    torchrun --standalone --nproc_per_node=8 -m chat_rl  # 8 GPUs (nodes, a 7B model: README)
+    torchrun --standalone --nproc_per_node=8 -m chat_rl  # 8 GPUs (nodes: README; 7B: docs/gpu.md)
 """
 
 import math
@@ -123,7 +123,7 @@ HYPERPARAMETERS = dict(
     weight_decay=(0.0, "AdamW weight decay"),
     grad_clip=(1.0, "clip the global gradient norm; 0 = off"),
     max_nonfinite=(5, "stop after this many non-finite updates in a row"),
-    # memory (README: "Past one GPU's memory")
+    # memory (docs/gpu.md: "Past one GPU's memory")
     fsdp=(False, "FSDP2: shard weights, grads, AdamW (16 B/param won't fit)"),
     activation_checkpointing=(False, "recompute layers in backward: less memory, 1/3 more compute"),
     # evaluation and checkpoints
