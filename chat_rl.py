@@ -56,7 +56,7 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
     python -m chat_rl                                    # GSM8K, Qwen2.5-0.5B-Instruct, 1 GPU
-    torchrun --standalone --nproc_per_node=8 -m chat_rl  # 8 GPUs (nodes, a 7B model: README)
+    torchrun --standalone --nproc_per_node=8 -m chat_rl  # 8 GPUs (nodes: README; 7B: docs/gpu.md)
 """
 
 import math
@@ -126,7 +126,7 @@ HYPERPARAMETERS = dict(
     weight_decay=(0.0, "AdamW weight decay"),
     grad_clip=(1.0, "clip the global gradient norm; 0 = off"),
     max_nonfinite=(5, "stop after this many non-finite updates in a row"),
-    # memory (README: "Past one GPU's memory")
+    # memory (docs/gpu.md: "Past one GPU's memory")
     fsdp=(False, "FSDP2: shard weights, grads, AdamW (16 B/param won't fit)"),
     activation_checkpointing=(False, "recompute layers in backward: less memory, 1/3 more compute"),
     # evaluation and checkpoints
@@ -157,7 +157,7 @@ PRESETS = dict(
     demo=dict(task="arith", model="demo_model", out_dir="out/demo", device_type="cpu",
               examples_per_step=12, max_new_tokens=64, num_steps=150, device_batch_size=64,
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
-    # README "A real model on a laptop": SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
+    # docs/smollm2.md: SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
     # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
                  device_type="cpu", examples_per_step=8, num_samples=8, max_new_tokens=64,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 # How long a rank waits in a collective before the run fails. The longest wait is a checkpoint: the
-# other ranks wait while rank 0 writes and syncs it to disk, 91 GB for the largest run the README
+# other ranks wait while rank 0 writes and syncs it to disk, 91 GB for the largest run docs/gpu.md
 # names (7B under --fsdp: 30 GB of weights, 61 GB of AdamW moments), an hour at 26 MB/s; NCCL's
 # default of 10 minutes would end that run at its first save. A rank that hangs for good is found as
 # late.

@@ -143,7 +143,7 @@ def preset_note(cfg, presets):
     return (
         f"chat_rl: note: --preset={cfg.preset} was chosen for --model={tuned_for}; "
         f"with --model={cfg.model} it still sets {' '.join(kept)}: "
-        'give your model\'s own values (README, "A real model on a laptop")'
+        'give your model\'s own values (docs/smollm2.md: "Your own model of 100M-500M")'
     )
 
 

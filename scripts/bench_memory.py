@@ -23,7 +23,7 @@ on a shared CPU: indicative only).
 Per token: what autograd keeps for one decoder layer and for the head (final norm, lm_head, the
 fp32 cross-entropy) of each shape, per token, from one row of 256 tokens on the CPU with bf16
 weights (what FSDP computes with on CUDA). The CPU's attention kernel, like CUDA's flash kernel,
-keeps O(T) per row, not the T x T attention matrix, so the count scales with tokens. The README's
+keeps O(T) per row, not the T x T attention matrix, so the count scales with tokens. docs/gpu.md's
 memory table is built from these figures.
 
 Log-prob pass (a row of scripts/bench_rollout.py's table): the peak of forward + backward of

@@ -32,7 +32,7 @@ RUNS = {  # name: (the row's label, its flags beside --preset=demo)
     "seed0-plain": ("seed 0, `--logprobs=plain`", ["--seed=0", "--logprobs=plain"]),
     "seed0-kept": ("seed 0, `--loss-norm=kept_tokens`", ["--seed=0", "--loss-norm=kept_tokens"]),
 }
-# SmolLM2-135M-Instruct (README "A real model on a laptop"), full fine-tuning and LoRA
+# SmolLM2-135M-Instruct (README "A real model on a laptop", docs/smollm2.md), full and LoRA
 SMOLLM2_RUNS = {
     **{f"smollm2-seed{i}": (f"seed {i}", [f"--seed={i}"]) for i in range(3)},
     "smollm2-seed0-r16": ("seed 0, `--lora-rank=16`", ["--seed=0", "--lora-rank=16"]),
