@@ -6,7 +6,8 @@ fast/logprobs.fast_logprobs uses both; tests/test_fast_logprobs.py holds it to t
 """
 
 import torch
-import torch.nn.functional as F
+
+from fast.attention import attention, kernel_dtype
 
 
 def make_shared_batch(inputs, targets):
@@ -122,9 +123,9 @@ class SharedPrefix:
     def folded_mask(self, g, dtype):
         """
         The additive mask (B, 1, g * T, P + T), 0 where a query sees a key, -inf elsewhere; row
-        j * T + t is query t of head j of a GQA group. In dtype, attention's (bf16 under autocast):
-        a mask in another, autocast would cast it in each layer, and each layer would keep its copy
-        for the backward pass (it is hundreds of MB at 16k tokens). Its rows lie a multiple of 8
+        j * T + t is query t of head j of a GQA group. In dtype, attention's kernel's (bf16 under
+        CUDA's autocast, fp32 on a CPU: fast/attention.kernel_dtype): a mask in another would be
+        cast in each layer, and each layer would keep its copy for the backward pass (it is hundreds of MB at 16k tokens). Its rows lie a multiple of 8
         entries apart in memory, or CUDA's memory-efficient kernel pads a copy in each layer.
         """
         keys = self.P + self.T
@@ -164,7 +165,7 @@ class SharedPrefix:
         def slots(x, rows, width):  # (rows * width, h, D) -> (rows, h, width, D)
             return x.view(rows, width, x.size(1), D).transpose(1, 2)
 
-        y_prefix = F.scaled_dot_product_attention(
+        y_prefix = attention(
             slots(q_prefix, G, P),
             slots(k_prefix, G, P),
             slots(v_prefix, G, P),
@@ -175,8 +176,8 @@ class SharedPrefix:
         # does (gpt.Attention)
         g = H // Hkv
         if self.mask is None:  # the same for every layer: made once
-            self.mask = self.folded_mask(g, q.dtype)
-        y_rows = F.scaled_dot_product_attention(
+            self.mask = self.folded_mask(g, kernel_dtype(q.device, q.dtype))
+        y_rows = attention(
             slots(q_rows, B, T).reshape(B, Hkv, g * T, D),
             slots(k_rows, B, P + T),
             slots(v_rows, B, P + T),

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from fast.attention import attention
 from fast.logprobs import token_nll
 from policy.hf_folder import (
     config_fields,
@@ -178,7 +179,7 @@ class Attention(nn.Module):
             # a k/v head. k and v are views into the fused projections: saved as they are for the
             # backward pass, they would keep the whole q/k and q/k/v outputs alive; their own
             # copies are a fraction of that
-            y = F.scaled_dot_product_attention(
+            y = attention(
                 q,
                 k.contiguous(),
                 v.contiguous(),
@@ -201,7 +202,7 @@ class Attention(nn.Module):
             mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask
             # reshape, not view: CUDA's memory-efficient kernel (the one that takes a mask) returns
             # a transposed layout
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = attention(q, k, v, attn_mask=mask)
             y = y.reshape(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 

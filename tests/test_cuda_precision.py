@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import chat_rl
 import test_fast_logprobs as fast_tests  # a module object: pytest does not collect its tests twice
+from fast import attention
 from fast.kv_cache import KVCache
 from fast.logprobs import fast_logprobs, plain_logprobs, token_nll
 from plumbing import checkpoint, distributed, fsdp, metrics
@@ -437,7 +438,10 @@ def test_decode_attention_keeps_its_scores_fp32_under_bf16_autocast():
 
 
 # ---- the loss's attention mask -------------------------------------------------------------------
-def test_the_shared_prefix_mask_is_made_once_in_bf16_and_kept_once_for_the_backward_pass():
+def test_the_shared_prefix_mask_is_made_once_in_bf16_and_kept_once_for_the_backward_pass(
+    monkeypatch,
+):
+    monkeypatch.setattr(attention, "FP32_ON_CPU", False)  # CUDA's bf16 attention kernels
     # the loss's mask is (rows, 1, GQA group x own tokens, prefix + own tokens): at 16k tokens a
     # micro-batch, hundreds of MB. Made in another dtype, autocast would cast it for each layer, and
     # each layer would keep its copy for the backward pass; its rows 8 entries apart, CUDA's
