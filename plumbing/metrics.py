@@ -244,11 +244,14 @@ def check_nonfinite(finite, kept_tokens, in_row, max_in_row, step, print0):
 
 
 def _json_number(v):
-    """Round floats for a readable log; non-finite values become null (NaN is not JSON)."""
+    """Round floats for a readable log, to 6 decimals, or to 6 significant digits below 1e-3 (the
+    sampler/trainer gap's k3 is 1e-7 in fp32); non-finite values become null (NaN is not JSON)."""
     if isinstance(v, torch.Tensor):
         v = float(v)
     if isinstance(v, float):
-        return round(v, 6) if math.isfinite(v) else None
+        if not math.isfinite(v):
+            return None
+        return round(v, 6) if abs(v) >= 1e-3 else float(f"{v:.6g}")
     return v
 
 

@@ -352,3 +352,21 @@ def test_a_checkpoint_is_a_folder_the_model_loader_reads(model_dir, reference, t
     assert launch(args(model_dir, out)).returncode == 0
     model = GPT.from_pretrained(str(out / "step_000005"))
     assert all(torch.equal(model.hf_state_dict()[k], v) for k, v in reference[1].items())
+
+
+# bf16 (sampler and trainer each rounding their own way) with the rollout correction acting on it
+BF16 = ["--dtype=bf16", "--rollout-correction=tis", "--rollout-cap=1.02"]
+
+
+def test_a_bf16_run_with_the_rollout_correction_resumes_bit_for_bit(model_dir, tmp_path):
+    whole = tmp_path / "whole"
+    assert launch(args(model_dir, whole) + BF16).returncode == 0
+    train = [r for r in metrics(whole) if "split" not in r]
+    assert all(r["mismatch_k3"] > 0 for r in train) and any(r["mismatch_past_cap"] for r in train)
+    out = tmp_path / "run"
+    assert launch(args(model_dir, out) + BF16, "metrics", 2).returncode == -9
+    resumed = launch(args(model_dir, out) + BF16 + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert " dtype=bf16 (--dtype) steps=2->5 " in resumed.stdout
+    assert metrics(out) == metrics(whole)
+    assert all(torch.equal(final_weights(out)[k], v) for k, v in final_weights(whole).items())
