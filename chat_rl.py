@@ -146,6 +146,8 @@ HYPERPARAMETERS = dict(
     verifier=("gsm8k", "--task=data: gsm8k (#### n) | math (\\boxed{}) | exact (stripped text)"),
     reward=("", "--task=data: file.py:function(completion, row) -> float, not the verifier"),
     system_prompt=("", "a system turn before every prompt (chat template)"),
+    # the built-in tasks' own options
+    gsm8k_answer=("hash", "--task=gsm8k's rule: hash (the first '#### n') | last-number"),
 )
 
 # fmt: off

@@ -60,6 +60,7 @@ ADDED = {
     "ppo_epochs": 1,
     "clip_eps": 0.2,
     "clip_eps_high": -1.0,
+    "gsm8k_answer": "hash",
 }
 
 # the repository root, above plumbing/
