@@ -61,6 +61,8 @@ ADDED = {
     "clip_eps": 0.2,
     "clip_eps_high": -1.0,
     "gsm8k_answer": "hash",
+    "rg_config": "",
+    "rg_train_size": 1000,
 }
 
 # the repository root, above plumbing/

@@ -24,7 +24,7 @@ import torch
 
 from plumbing.distributed import setup_distributed
 from policy import lora
-from tasks import generic, gsm8k
+from tasks import generic, gsm8k, rg
 from tasks.common import get_task
 
 
@@ -191,6 +191,7 @@ def check_config(cfg, world_size):
         "num_epochs",
         "keep_checkpoints",
         "max_nonfinite",
+        "rg_train_size",
     ):
         if getattr(cfg, name) <= 0:
             raise ConfigError(
@@ -315,7 +316,17 @@ def check_objective(cfg):
 
 
 def check_task_options(cfg):
-    """The options of one built-in task, refused with any other: --gsm8k-answer (--task=gsm8k)."""
+    """The options of one built-in task, refused with any other: --rg-config and --rg-train-size
+    (--task=rg:<dataset>), --gsm8k-answer (--task=gsm8k)."""
+    if not cfg.task.startswith("rg:"):
+        for name, default in (("rg_config", ""), ("rg_train_size", rg.TRAIN_SIZE)):
+            if getattr(cfg, name) != default:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} is for --task=rg:<dataset> (reasoning-gym), "
+                    f"not --task={cfg.task}"
+                )
+    elif cfg.data:
+        raise ConfigError(f"--task={cfg.task} generates its own rows: it reads no --data")
     if cfg.gsm8k_answer not in gsm8k.ANSWER_RULES:
         raise ConfigError(
             f"unknown --gsm8k-answer {cfg.gsm8k_answer!r} ({' | '.join(gsm8k.ANSWER_RULES)})"
@@ -329,8 +340,8 @@ def check_task_options(cfg):
 
 
 def load_task(cfg):
-    """The task --task names, with its options (the generic task's, GSM8K's answer rule); what
-    cannot be loaded is a ConfigError, before any data or model is touched."""
+    """The task --task names, with its options (the generic task's, reasoning-gym's, GSM8K's
+    answer rule); what cannot be loaded is a ConfigError, before any data or model is touched."""
     if cfg.task == "data" and not cfg.data:
         raise ConfigError(
             "--task=data trains on your own rows: name them with --data=<file, folder or hub id>"
@@ -339,6 +350,10 @@ def load_task(cfg):
         if cfg.task == "data":
             return generic.make(
                 cfg.prompt_column, cfg.answer_column, cfg.instruction, cfg.verifier, cfg.reward
+            )
+        if cfg.task.startswith("rg:"):  # reasoning-gym's generators, imported only here
+            return rg.make(
+                cfg.task[3:], cfg.rg_config, cfg.rg_train_size, cfg.eval_examples, cfg.seed
             )
         if cfg.task == "gsm8k" and cfg.gsm8k_answer == "last-number":
             return gsm8k.last_number_task()
