@@ -86,7 +86,11 @@ from tasks.common import conversation, rewards as reward_terms
 # What a fork edits: name=(default, meaning) of the default run (GSM8K, a real model, GPUs), then
 # the presets' changes. Each is a flag too (--num-samples=8), which wins over both; see --help.
 HYPERPARAMETERS = dict(
-    task=("gsm8k", "gsm8k | math | arith, mental (offline) | data (--data) | pkg.module | task.py"),
+    task=(
+        "gsm8k",
+        "gsm8k | math | arith, mental (offline) | data (--data) | rg:<dataset> | "
+        "pkg.module | task.py",
+    ),
     model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id | Hugging Face folder | PEFT LoRA folder"),
     out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=("", "cpu | cuda | mps; empty = autodetect"),
@@ -149,6 +153,10 @@ HYPERPARAMETERS = dict(
     verifier=("gsm8k", "--task=data: gsm8k (#### n) | math (\\boxed{}) | exact (stripped text)"),
     reward=("", "--task=data: file.py:function(completion, row) -> float, not the verifier"),
     system_prompt=("", "a system turn before every prompt (chat template)"),
+    # the built-in tasks' own options
+    gsm8k_answer=("hash", "--task=gsm8k's rule: hash (the first '#### n') | last-number"),
+    rg_config=("", "--task=rg:<dataset>: reasoning-gym's options, JSON or a .json file"),
+    rg_train_size=(1000, "--task=rg:<dataset>: training rows generated (held-out ones dropped)"),
 )
 
 # fmt: off

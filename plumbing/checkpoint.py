@@ -62,6 +62,9 @@ ADDED = {
     "clip_eps_high": -1.0,
     "rollout_correction": "none",
     "rollout_cap": 2.0,
+    "gsm8k_answer": "hash",
+    "rg_config": "",
+    "rg_train_size": 1000,
 }
 
 # the repository root, above plumbing/

@@ -70,14 +70,15 @@ def load_data(task, cfg):
 
 
 def read_rows(source, config="", split="train", limit=None):
-    """Rows (dicts, every column) of a local .jsonl / .json / .parquet / .csv file (all of it,
-    whatever split says: a file is one split), of a split of a folder of such files (datasets
-    names splits by file name: train.jsonl, test.csv, ...), or of a split of a hub data set
-    (config: its configuration, "" for the default)."""
+    """Rows (dicts, every column) of a local .jsonl / .json / .parquet / .csv file, gzipped or not
+    (all of it, whatever split says: a file is one split), of a split of a folder of such files
+    (datasets names splits by file name: train.jsonl, test.csv, ...), or of a split of a hub data
+    set (config: its configuration, "" for the default)."""
     if os.path.isfile(source):
-        extension = os.path.splitext(source)[1].lower()
+        # compressed as GSM8K ships its own (train.jsonl.gz): datasets reads it as it is
+        extension = os.path.splitext(source.removesuffix(".gz"))[1].lower()
         if extension not in FILE_FORMATS:
-            raise ValueError(f"{source}: not a {' / '.join(FILE_FORMATS)} file")
+            raise ValueError(f"{source}: not a {' / '.join(FILE_FORMATS)} file, gzipped or not")
         split = "train"  # its one split
         args, kwargs = (FILE_FORMATS[extension],), dict(data_files=os.path.abspath(source))
     elif os.path.isdir(source):

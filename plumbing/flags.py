@@ -24,7 +24,7 @@ import torch
 
 from plumbing.distributed import cpu_bf16_units, setup_distributed
 from policy import lora
-from tasks import generic
+from tasks import generic, gsm8k, rg
 from tasks.common import get_task
 
 
@@ -191,6 +191,7 @@ def check_config(cfg, world_size):
         "num_epochs",
         "keep_checkpoints",
         "max_nonfinite",
+        "rg_train_size",
     ):
         if getattr(cfg, name) <= 0:
             raise ConfigError(
@@ -297,6 +298,7 @@ def check_config(cfg, world_size):
         raise ConfigError(str(e)) from None
     if cfg.eval_data and not cfg.data:
         raise ConfigError("--eval-data names the held-out rows of --data: give --data too")
+    check_task_options(cfg)
     # a user's task or reward that cannot be loaded stops the run here, before any data or model
     load_task(cfg)
 
@@ -327,9 +329,33 @@ def check_objective(cfg):
         )
 
 
+def check_task_options(cfg):
+    """The options of one built-in task, refused with any other: --rg-config and --rg-train-size
+    (--task=rg:<dataset>), --gsm8k-answer (--task=gsm8k)."""
+    if not cfg.task.startswith("rg:"):
+        for name, default in (("rg_config", ""), ("rg_train_size", rg.TRAIN_SIZE)):
+            if getattr(cfg, name) != default:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} is for --task=rg:<dataset> (reasoning-gym), "
+                    f"not --task={cfg.task}"
+                )
+    elif cfg.data:
+        raise ConfigError(f"--task={cfg.task} generates its own rows: it reads no --data")
+    if cfg.gsm8k_answer not in gsm8k.ANSWER_RULES:
+        raise ConfigError(
+            f"unknown --gsm8k-answer {cfg.gsm8k_answer!r} ({' | '.join(gsm8k.ANSWER_RULES)})"
+        )
+    if cfg.gsm8k_answer != "hash" and cfg.task != "gsm8k":
+        own = cfg.task == "data"  # --data without --task: GSM8K's own files are --task=gsm8k's
+        raise ConfigError(
+            f"--gsm8k-answer is for --task=gsm8k, not --task={cfg.task}"
+            + (" (GSM8K's own files: --task=gsm8k --data=...)" if own else "")
+        )
+
+
 def load_task(cfg):
-    """The task --task names, with the generic task's options; what cannot be loaded is a
-    ConfigError, before any data or model is touched."""
+    """The task --task names, with its options (the generic task's, reasoning-gym's, GSM8K's
+    answer rule); what cannot be loaded is a ConfigError, before any data or model is touched."""
     if cfg.task == "data" and not cfg.data:
         raise ConfigError(
             "--task=data trains on your own rows: name them with --data=<file, folder or hub id>"
@@ -339,6 +365,12 @@ def load_task(cfg):
             return generic.make(
                 cfg.prompt_column, cfg.answer_column, cfg.instruction, cfg.verifier, cfg.reward
             )
+        if cfg.task.startswith("rg:"):  # reasoning-gym's generators, imported only here
+            return rg.make(
+                cfg.task[3:], cfg.rg_config, cfg.rg_train_size, cfg.eval_examples, cfg.seed
+            )
+        if cfg.task == "gsm8k" and cfg.gsm8k_answer == "last-number":
+            return gsm8k.last_number_task()
         return get_task(cfg.task)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -12,8 +12,9 @@ Optional: solution(row) -> str, a worked solution ending in the answer (supervis
 score(completion, row) -> float, a reward that replaces grade's 0/1 and sees the whole row.
 
 --task names a built-in task (TASKS), the generic task over a user's own rows ("data",
-tasks/generic.py), a module on the import path (my_pkg.my_task) or a file (path/to/my_task.py)
-with the names above. `get_task` imports lazily, so `--task=arith` never imports `datasets`.
+tasks/generic.py), one of reasoning-gym's generators ("rg:<dataset>", tasks/rg.py), a module on
+the import path (my_pkg.my_task) or a file (path/to/my_task.py) with the names above. `get_task`
+imports lazily, so `--task=arith` never imports `datasets` (nor reasoning-gym).
 """
 
 import copy
@@ -43,13 +44,13 @@ INTERFACE = ("load", "prompt", "reference", "extract_answer", "grade", "format_o
 
 def get_task(name):
     """The task --task names, built-in or a user's module or file, checked for the interface:
-    anything missing is a ValueError naming it. (The generic task, "data", is made from its flags:
-    tasks/generic.make.)"""
+    anything missing is a ValueError naming it. (The generic task, "data", and reasoning-gym's,
+    "rg:<dataset>", are made from their flags: tasks/generic.make, tasks/rg.make.)"""
     if name in TASKS:
         return importlib.import_module(TASKS[name])
     if not (name.endswith(".py") or "/" in name or "." in name):
         raise ValueError(
-            f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data'])}, "
+            f"unknown task {name!r} (choose from {', '.join([*TASKS, 'data', 'rg:<dataset>'])}, "
             "a module my_pkg.my_task or a file path/to/my_task.py)"
         )
     task = import_user_code(name)

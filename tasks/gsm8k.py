@@ -19,14 +19,28 @@ as an exact rational, must equal the reference.
   "#### 17\n#### 18"                                        -> 17 (first binds; format_ok fails)
 Digits are ASCII only (a full-width "１８" is not a number here). format_ok is stricter: exactly
 one "####", on the last line, followed by nothing but "-?digits(.digits)?".
+
+--gsm8k-answer=last-number grades by the reply's last number instead (last_number_task): chat
+models such as SmolLM2 answer in their own words and never write "####", and evaluation harnesses
+grade them so (lm-evaluation-harness's "flexible-extract"). The prompt is the same, so the two rules
+compare on the same replies. A number there: digits, with valid thousands groups or none, and a
+decimal part; a "$" before it, a sign only where no word or digit precedes it (in "10-8" the number
+is 8); a period after it ends the sentence. Compared as exact rationals with the reference, as
+"####" is:
+  "So she has $1,250.", "The answer is 1250", "**1250**", "1250.00"   -> 1250
+  "1250 or 1300"                                                        -> 1300 (the last binds)
+  "#### 1250\nThat is 1250 dollars for 3 people."                       -> 3
+format_ok: the reply ends with its last number (punctuation and markup after it allowed).
 """
 
 import re
 from fractions import Fraction
+from types import SimpleNamespace
 
 from tasks.common import use_cache_if_hub_unreachable
 
 DATASET, CONFIG = "openai/gsm8k", "main"
+ANSWER_RULES = ("hash", "last-number")  # --gsm8k-answer: the first '#### n', or the last number
 
 INSTRUCTION = (
     "Solve the problem step by step. On the last line write the final answer as "
@@ -141,4 +155,58 @@ def format_ok(completion):
         and completion.count("####") == 1
         and FORMAT_RE.fullmatch(lines[-1].strip()) is not None
         and _bound_number(lines[-1]) is not None  # and not too long to be a number
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The last-number rule (--gsm8k-answer=last-number; module docstring). The same discipline: no
+# eval, a linear scan, a value too long to be a number is none.
+LAST_NUMBER_RE = re.compile(
+    r"(?<![\w.])([-\u2212]?)\$?([0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+)
+
+
+def _last_number(text):
+    """(value, where it ends) of the text's last number, or None if it has none."""
+    last = None
+    for last in LAST_NUMBER_RE.finditer(text):
+        pass
+    if last is None or len(last.group(2)) > MAX_BODY:
+        return None
+    value = Fraction(last.group(2).replace(",", ""))
+    return (-value if last.group(1) else value), last.end()
+
+
+def last_number_answer(completion):
+    found = _last_number(completion or "")
+    return None if found is None else _canonical(found[0])
+
+
+def last_number_grade(completion, ref):
+    """True iff the reply's last number equals the reference number exactly (as rationals)."""
+    found = _last_number(completion or "")
+    if found is None or ref is None:
+        return False
+    ref = str(ref).strip()
+    value = _bound_number(ref if "####" in ref else "#### " + ref)
+    return value is not None and found[0] == value
+
+
+def ends_with_number(completion):
+    """The reply ends with its answer: only punctuation, markup and blanks after the last number."""
+    found = _last_number(completion or "")
+    return found is not None and not re.search(r"\w", completion[found[1] :])
+
+
+def last_number_task():
+    """GSM8K graded by the reply's last number: its rows, prompt and references, this verifier."""
+    return SimpleNamespace(
+        name="gsm8k",
+        load=load,
+        prompt=prompt,
+        reference=reference,
+        solution=solution,
+        extract_answer=last_number_answer,
+        grade=last_number_grade,
+        format_ok=ends_with_number,
     )
