@@ -389,3 +389,41 @@ def test_under_torchrun_a_bad_flag_is_said_once_not_once_per_rank(tmp_path):
     assert result.returncode != 0 and said == ["chat_rl: error: --lr must be above 0, got 0.0"], (
         result.stderr[-2000:]
     )
+
+
+def test_an_older_torch_stops_python_m_chat_rl_in_one_line(tmp_path):
+    # torch 2.5 lacks what plumbing/fsdp.py imports at its top (fully_shard public from 2.6) and
+    # what fsdp.prepare calls (2.8): without the check every run, --fsdp or not, ends in an
+    # ImportError's traceback. Here torch says it is 2.5.1 and, as 2.5 does, has no public
+    # fully_shard; the run must name the floor before it gets there
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    older = (
+        "import runpy, sys, torch, torch.distributed.fsdp as fsdp; "
+        "torch.__version__ = '2.5.1'; del fsdp.fully_shard; "
+        "sys.argv = ['chat_rl', '--preset=demo', f'--out-dir={sys.argv[1]}']; "
+        "runpy.run_module('chat_rl', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", older, str(tmp_path / "run")],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "chat_rl needs torch>=2.8 (found 2.5.1): pip install --upgrade 'torch>=2.8'"
+    ], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_torch_floor_is_what_fsdp_calls_and_requirements_say():
+    import plumbing
+
+    assert plumbing.torch_floor_message(torch.__version__) == ""  # this torch runs
+    for version in ("2.7.1", "2.7.1+cu126", "1.13.0"):
+        assert plumbing.torch_floor_message(version).startswith("chat_rl needs torch>=2.8 (found")
+    for version in ("2.8.0", "2.10.0+cpu", "3.0.0a0"):  # 2.10 is not below 2.8
+        assert plumbing.torch_floor_message(version) == ""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "requirements.txt")) as f:
+        assert "torch>=2.8\n" in f.read()
