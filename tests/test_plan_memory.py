@@ -19,9 +19,10 @@ from engine import Engine, next_logits, sample_next_token
 from fast.logprobs import fast_logprobs, make_batch
 from plumbing import flags, memory, start
 from plumbing.flags import ConfigError
-from policy import lora
+from policy import hf_folder, lora
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
+from scripts import plan_memory
 from scripts.bench_memory import LiveBytes
 
 BF16 = torch.bfloat16
@@ -222,6 +223,30 @@ def test_the_plan_of_chat_rls_defaults_adds_its_parts_per_phase():
     assert sharded.parts["weights"] + sharded.parts["AdamW moments"] == 12 * c.total / 8
     assert sharded.parts["--fsdp gathered, rollout"] == 2 * c.total
     assert sharded.parts["autocast's bf16 copies"] == 0
+
+
+def test_the_script_plans_a_folders_config_and_says_what_fits(tmp_path, capsys):
+    # the config alone: a folder holding nothing else is enough
+    (tmp_path / "model").mkdir()
+    hf_folder.write_config(str(tmp_path / "model"), GPTConfig(**QWEN2_LIKE), torch.float32)
+    models = f"--model={tmp_path / 'model'},{tmp_path / 'model' / 'config.json'}"
+    assert plan_memory.main([models, "--ranks=1,4", "--gpu-gb=0.05", "--lora-rank=8"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| part |"))
+    assert header.split(" | ")[1:] == [
+        "1 GPU: full",
+        "1 GPU: LoRA r8 (as given)",
+        "4 GPUs: full",
+        "4 GPUs: --fsdp",
+        "4 GPUs: LoRA r8 (as given) |",
+    ]
+    for part in ("weights", "AdamW moments", "KV cache, prompt part", "activations"):
+        assert f"\n| {part} | " in out
+    # 50 MB: the defaults' KV cache and activations do not fit, whatever the state
+    assert "| fits 0.05 GB: plain / checkpointed | no / no |" in out
+    assert out.count("\n| " + str(tmp_path / "model")) == 2  # the summary, a model a line
+    assert plan_memory.main(["--model=no/such-model"]) == 2
+    assert "no config.json to read" in capsys.readouterr().err
 
 
 # ---- the check at start ----------------------------------------------------------------------
