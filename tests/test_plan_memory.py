@@ -17,7 +17,7 @@ import torch
 import chat_rl
 from engine import Engine, next_logits, sample_next_token
 from fast.logprobs import fast_logprobs, make_batch
-from plumbing import flags, memory, start
+from plumbing import checkpoint, flags, memory, start
 from plumbing.flags import ConfigError
 from policy import hf_folder, lora
 from policy.gpt import GPT, GPTConfig
@@ -283,3 +283,18 @@ def test_a_state_too_large_for_the_gpu_is_refused_in_one_line_naming_what_fits(t
     memory.check_state_fits(run_config(f"--model={path}", "--fsdp"), 3, gpu, total=need / 3)
     memory.check_state_fits(run_config(f"--model={path}", "--lora-rank=16"), 1, gpu, need / 3)
     memory.check_state_fits(cfg, 1, torch.device("cpu"))  # off CUDA: no check
+
+
+def test_start_refuses_a_state_too_large_before_reading_a_weight(tmp_path, monkeypatch):
+    # the check stands before the model is built (the weights would go straight to the GPU);
+    # here a stand-in GPU of 1 MB, on the CPU
+    path = tiny_folder(tmp_path)
+    monkeypatch.setattr(memory, "device_memory", lambda device: 10**6)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was read before its size was checked")
+
+    monkeypatch.setattr(checkpoint, "load_policy", refuse)
+    cfg = run_config(f"--model={path}", f"--out-dir={tmp_path / 'run'}")
+    with pytest.raises(ConfigError, match="more than the GPU's 0.001 GB"):
+        start.start(cfg, 0, 1, torch.device("cpu"))
