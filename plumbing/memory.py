@@ -380,5 +380,6 @@ def check_state_fits(cfg, world, device, total=None):
         options.append(f"--lora-rank=16 ({gb(lora_state)})")
     fits = " or ".join(options) if options else "a GPU with more memory"
     raise ConfigError(
-        f"{said}: it would fit with {fits} (python -m scripts.plan_memory plans the rest)"
+        f"{said}: that fits with {fits}, before activations and the KV cache "
+        f"(python -m scripts.plan_memory plans them)"
     )
