@@ -21,7 +21,7 @@ it gives them (the policy built on the meta device, the KV cache's layout, what 
 micro-batch), which tests/test_plan_memory.py holds to the bytes the CPU allocates for a small
 model of the same family. Computed on the CPU, not measured on a GPU: CUDA's allocator rounds
 blocks and caches freed ones, its attention kernels pad their log-sum-exp, and NCCL, the CUDA
-context and cuBLAS's workspace take their own (about 0.5-1 GB a GPU), none of which is here.
+context and cuBLAS's workspace take their own (hundreds of MB a GPU), none of which is here.
 """
 
 import json
@@ -55,10 +55,11 @@ def model_config(name):
 
 def variants(cfg, ranks):
     """The runs planned on `ranks` ranks: (column title, flags): full fine-tuning replicated, under
-    --fsdp (on more than one rank), and LoRA (at --lora-rank, or 16); each with the rest of cfg."""
+    --fsdp (on more than one rank, or as given), and LoRA (at --lora-rank, or 16); each with the
+    rest of cfg."""
     rank = cfg.lora_rank or 16
     runs = [("full", dict(lora_rank=0, fsdp=False))]
-    if ranks > 1:
+    if ranks > 1 or (cfg.fsdp and not cfg.lora_rank):
         runs.append(("--fsdp", dict(lora_rank=0, fsdp=True)))
     runs.append((f"LoRA r{rank}", dict(lora_rank=rank, fsdp=False)))
     where = "1 GPU" if ranks == 1 else f"{ranks} GPUs"
