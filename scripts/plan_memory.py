@@ -19,9 +19,10 @@ planning figure (GSM8K's chat prompts are 100-200 tokens).
 The figures are plumbing/memory.py's: sizes of the tensors the code makes, counted from the shapes
 it gives them (the policy built on the meta device, the KV cache's layout, what autograd keeps of a
 micro-batch), which tests/test_plan_memory.py holds to the bytes the CPU allocates for a small
-model of the same family. Computed on the CPU, not measured on a GPU: CUDA's allocator rounds
-blocks and caches freed ones, its attention kernels pad their log-sum-exp, and NCCL, the CUDA
-context and cuBLAS's workspace take their own (hundreds of MB a GPU), none of which is here.
+model of the same family. Computed on the CPU, not measured on a GPU: CUDA's allocator hands out
+blocks of its own sizes and caches freed ones, its attention kernels pad their log-sum-exp, and
+NCCL, the CUDA context and cuBLAS's workspace take their own (hundreds of MB a GPU), none of which
+is here.
 """
 
 import json
