@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from plumbing.distributed import cpu_bf16_units, setup_distributed
-from policy import lora
+from policy import hf_folder, lora
 from tasks import generic, gsm8k, rg
 from tasks.common import get_task
 
@@ -126,10 +126,10 @@ _BOOLS = ("true", "false", "1", "0")
 
 
 def preset_note(cfg, presets):
-    """One line when a preset's model is replaced: its learning rate, budget and eval were chosen
-    for that model."""
+    """One line when a preset's model is replaced by another model: its learning rate, budget and
+    eval were chosen for that one."""
     tuned_for = presets.get(cfg.preset, {}).get("model")
-    if not tuned_for or cfg.model == tuned_for:
+    if not tuned_for or same_model(cfg.model, tuned_for):
         return ""
     preset = presets[cfg.preset]
     kept = [
@@ -145,6 +145,26 @@ def preset_note(cfg, presets):
         f"with --model={cfg.model} it still sets {' '.join(kept)}: "
         'give your model\'s own values (docs/smollm2.md: "Your own model of 100M-500M")'
     )
+
+
+# what makes two config.json describe one model, whatever folder or name holds it
+SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "vocab_size")  # fmt: skip
+
+
+def same_model(a, b):
+    """Whether --model a and --model b are one model: the same architecture and shape by their
+    config.json, read without the weights (a copy in another folder, the hub id of a converted
+    folder, a checkpoint of it); by name when either config cannot be read (a hub id not in the
+    local cache, offline)."""
+    if a == b:
+        return True
+    configs = [hf_folder.read_config(name) for name in (a, b)]
+    if None in configs:
+        return False
+    for hf in configs:  # a config without it has as many KV heads as heads
+        hf["num_key_value_heads"] = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    return all(configs[0].get(key) == configs[1].get(key) for key in SHAPE)
 
 
 def _convert(name, value, default):

@@ -1,7 +1,8 @@
 """
 What a run holds before its first step, built in the order resuming needs: the task and its rows,
-the step count, the checkpoint to resume from, the policy (its weights, LoRA's adapters, FSDP's
-shards), its Engine and optimizer, the --kl-beta reference, the passes' autocast and the log.
+the step count, the checkpoint to resume from, the check that the GPU can hold the policy, the
+policy (its weights, LoRA's adapters, FSDP's shards), its Engine and optimizer, the --kl-beta
+reference, the passes' autocast and the log.
 """
 
 from contextlib import nullcontext
@@ -11,7 +12,7 @@ import torch
 
 from calculator import calculate
 from engine import Engine
-from plumbing import checkpoint, fsdp
+from plumbing import checkpoint, fsdp, memory
 from plumbing.data import load_data, rows_fingerprint
 from plumbing.distributed import compute_dtype, restart_count
 from plumbing.flags import load_task
@@ -37,6 +38,9 @@ def start(cfg, rank, world, device):
     num_steps = cfg.num_steps if cfg.num_steps > 0 else cfg.num_epochs * steps_per_epoch
     restarted = restart_count() > 0  # torchrun restarted the ranks: resume whatever the flags
     start_step, state = checkpoint.resume_point(cfg, world, device, restarted)  # fresh: (0, None)
+    # a GPU that cannot hold even the weights, gradients and AdamW state is refused now, in one
+    # line, before the weights are read onto it (plumbing/memory.py)
+    memory.check_state_fits(cfg, world, device)
     # with --lora-rank, adapters; under --fsdp the whole model is only ever on the CPU: each unit
     # moves to the device as it is sharded
     model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device, dtype)

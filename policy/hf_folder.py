@@ -55,6 +55,44 @@ def resolve_folder(name_or_dir):
         ) from None
 
 
+# the repository root: "demo_model" names the folder shipped here wherever a run starts, as
+# plumbing/checkpoint.load_policy reads it
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_config(name_or_dir, fetch=False):
+    """
+    A model's config.json as a dict, read cheaply: no weights, and nothing downloaded unless
+    fetch. name_or_dir: a folder (a PEFT LoRA folder: its base's config), a config.json file,
+    "demo_model" (the folder shipped here) or a hub id, whose config.json comes from the local
+    Hugging Face cache (fetch=True: fetched into it, that file alone, if it is not there yet).
+    None when there is none to read: a hub id not cached (offline), a folder without one.
+    """
+    if name_or_dir == "demo_model":
+        name_or_dir = os.path.join(REPO, "demo_model")
+    try:
+        if os.path.isdir(name_or_dir):
+            file = os.path.join(name_or_dir, "config.json")
+            if not os.path.exists(file) and os.path.exists(
+                os.path.join(name_or_dir, "adapter_config.json")
+            ):
+                from policy.lora import read_adapter_config  # a PEFT folder: its base's shape
+
+                return read_config(read_adapter_config(name_or_dir)[0], fetch)
+        elif os.path.isfile(name_or_dir):
+            file = name_or_dir
+        else:
+            # imported here: the offline demo never needs the hub
+            from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+            file = try_to_load_from_cache(name_or_dir, "config.json")
+            if not isinstance(file, str) and fetch:
+                file = hf_hub_download(name_or_dir, "config.json")
+        return read_json(file) if isinstance(file, str) else None
+    except Exception:  # noqa: BLE001 - unreadable for any reason (a bad id, offline): no config
+        return None
+
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

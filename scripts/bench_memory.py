@@ -34,15 +34,21 @@ logits at once.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fast import logprobs
+from plumbing import memory
 from policy import lora
 from policy.gpt import GPT, GPTConfig
+from policy.hf_folder import config_fields
 
 TWELVE_LAYERS = dict(
     vocab_size=32768,
@@ -53,48 +59,11 @@ TWELVE_LAYERS = dict(
     num_key_value_heads=4,
     max_position_embeddings=1024,
 )
-QWEN25 = {  # the shapes of Qwen2.5-{0.5B, 1.5B, 3B, 7B}-Instruct's config.json
-    "0.5B": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    ),
-    "1.5B": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    ),
-    "3B": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    ),
-    "7B": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    ),
-}
+# the shapes of Qwen2.5-{0.5B, 1.5B, 3B, 7B}-Instruct's config.json (shared with plan_memory.py)
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen25_configs.json")) as f:
+    QWEN25 = {
+        re.search(r"[\d.]+B", hub_id)[0]: config_fields(hf) for hub_id, hf in json.load(f).items()
+    }
 
 
 class SavedBytes:
@@ -121,6 +90,33 @@ class SavedBytes:
     @property
     def total(self):
         return sum(self.storages.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that the operations under it make (views and in-place results
+    are not new storage) and that are still alive, now and at the most: each is counted until
+    its storage is freed, however many tensors or autograd's saved ones keep it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes, self.now, self.peak = {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if key and key not in self.sizes:
+                        self.sizes[key] = storage.nbytes()
+                        self.now += storage.nbytes()
+                        self.peak = max(self.peak, self.now)
+                        weakref.finalize(storage, self._freed, key)
+        return out
+
+    def _freed(self, key):
+        self.now -= self.sizes.pop(key)
 
 
 def resident_kb(field):
@@ -290,13 +286,12 @@ def table(lora_rank=16, tokens=16384):
         return f"{b / 1e9:.0f}" if b >= 1e10 else f"{b / 1e9:.1f}"
 
     for name, shape in QWEN25.items():
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**shape))
-            params = model.num_params()
-            lora.add_adapters(model, lora_rank, 32.0)
-            adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # fp32 w+g+2 moments; bf16 base
-        state = {"full": 16 * params, "lora": 2 * (params - adapters) + 16 * adapters}
+        full, low_rank = (memory.counts(GPTConfig(**shape), rank) for rank in (0, lora_rank))
+        params, adapters = full.total, low_rank.trained
+        # fp32 weights, gradients and 2 moments; LoRA: the base in bf16 (plumbing/memory.state)
+        state = {
+            kind: sum(memory.state(c).values()) for kind, c in (("full", full), ("lora", low_rank))
+        }
         peaks, activations = {}, {}
         for kind, rank in (("full", 0), ("lora", lora_rank)):
             layer, layer_checkpointed, head = saved_per_token(shape, rank)

@@ -1,5 +1,6 @@
 """Bad input stops the run with one line that says why, a nonzero exit, and no model loaded."""
 
+import json
 import os
 import re
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub import constants as hub_constants
 
 import chat_rl
 from plumbing import checkpoint, flags
@@ -269,6 +271,62 @@ def test_a_preset_given_another_model_says_so_in_one_line(capsys, tmp_path):
     assert flags.preset_note(plain, chat_rl.PRESETS) == ""
 
 
+def note_for(model, preset="smollm2"):
+    cfg = flags.parse_config(
+        [f"--preset={preset}", f"--model={model}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+    )
+    return flags.preset_note(cfg, chat_rl.PRESETS)
+
+
+def smollm2_config():
+    """SmolLM2-135M-Instruct's shape, as the hub's config.json and the converted folder's say."""
+    return dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                tie_word_embeddings=True)  # fmt: skip
+
+
+def test_a_preset_given_its_own_model_from_another_folder_says_nothing(tmp_path, monkeypatch):
+    # the model is judged by its config.json, not by the path that names it: a copy elsewhere
+    # (the config alone is read, never the weights), the hub id of the converted folder, and
+    # --preset=demo's own model by another path are the models the presets were made for
+    monkeypatch.chdir(tmp_path)  # --preset=smollm2's models/smollm2-135m, relative to here
+    (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
+    (tmp_path / "models" / "smollm2-135m" / "config.json").write_text(json.dumps(smollm2_config()))
+    copy = tmp_path / "elsewhere" / "smollm2"
+    copy.mkdir(parents=True)
+    # another way of writing the same shape: no torch_dtype, the rope written otherwise
+    (copy / "config.json").write_text(json.dumps({**smollm2_config(), "rope_theta": 1e5}))
+    assert note_for(str(copy)) == ""
+    hub = tmp_path / "hub"  # the hub id's config.json in a local Hugging Face cache, offline
+    snapshot = hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(smollm2_config()))
+    (hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs").mkdir()
+    (hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    assert note_for("HuggingFaceTB/SmolLM2-135M-Instruct") == ""
+    demo = os.path.join(os.path.dirname(chat_rl.__file__), "demo_model")
+    assert note_for(os.path.abspath(demo), preset="demo") == ""
+
+
+def test_a_preset_given_another_model_by_config_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
+    (tmp_path / "models" / "smollm2-135m" / "config.json").write_text(json.dumps(smollm2_config()))
+    for change in (dict(num_hidden_layers=24), dict(vocab_size=151936), dict(model_type="qwen2")):
+        other = tmp_path / "other" / "_".join(change)
+        other.mkdir(parents=True)
+        (other / "config.json").write_text(json.dumps({**smollm2_config(), **change}))
+        note = note_for(str(other))
+        assert (
+            note.startswith("chat_rl: note: --preset=smollm2 was chosen for ")
+            and "--lr=3e-05" in note
+        )
+    # a hub id not in the cache (offline): judged by its name, as before
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert "was chosen for --model=models/smollm2-135m" in note_for("Qwen/Qwen2.5-0.5B-Instruct")
+
+
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         chat_rl.main(["--help"])
@@ -389,3 +447,41 @@ def test_under_torchrun_a_bad_flag_is_said_once_not_once_per_rank(tmp_path):
     assert result.returncode != 0 and said == ["chat_rl: error: --lr must be above 0, got 0.0"], (
         result.stderr[-2000:]
     )
+
+
+def test_an_older_torch_stops_python_m_chat_rl_in_one_line(tmp_path):
+    # torch 2.5 lacks what plumbing/fsdp.py imports at its top (fully_shard public from 2.6) and
+    # what fsdp.prepare calls (2.8): without the check every run, --fsdp or not, ends in an
+    # ImportError's traceback. Here torch says it is 2.5.1 and, as 2.5 does, has no public
+    # fully_shard; the run must name the floor before it gets there
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    older = (
+        "import runpy, sys, torch, torch.distributed.fsdp as fsdp; "
+        "torch.__version__ = '2.5.1'; del fsdp.fully_shard; "
+        "sys.argv = ['chat_rl', '--preset=demo', f'--out-dir={sys.argv[1]}']; "
+        "runpy.run_module('chat_rl', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", older, str(tmp_path / "run")],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "chat_rl needs torch>=2.8 (found 2.5.1): pip install --upgrade 'torch>=2.8'"
+    ], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_torch_floor_is_what_fsdp_calls_and_requirements_say():
+    import plumbing
+
+    assert plumbing.torch_floor_message(torch.__version__) == ""  # this torch runs
+    for version in ("2.7.1", "2.7.1+cu126", "1.13.0"):
+        assert plumbing.torch_floor_message(version).startswith("chat_rl needs torch>=2.8 (found")
+    for version in ("2.8.0", "2.10.0+cpu", "3.0.0a0"):  # 2.10 is not below 2.8
+        assert plumbing.torch_floor_message(version) == ""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "requirements.txt")) as f:
+        assert "torch>=2.8\n" in f.read()
