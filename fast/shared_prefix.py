@@ -125,8 +125,9 @@ class SharedPrefix:
         The additive mask (B, 1, g * T, P + T), 0 where a query sees a key, -inf elsewhere; row
         j * T + t is query t of head j of a GQA group. In dtype, attention's kernel's (bf16 under
         CUDA's autocast, fp32 on a CPU: fast/attention.kernel_dtype): a mask in another would be
-        cast in each layer, and each layer would keep its copy for the backward pass (it is hundreds of MB at 16k tokens). Its rows lie a multiple of 8
-        entries apart in memory, or CUDA's memory-efficient kernel pads a copy in each layer.
+        cast in each layer, and each layer would keep its copy for the backward pass (it is
+        hundreds of MB at 16k tokens). Its rows lie a multiple of 8 entries apart in memory, or
+        CUDA's memory-efficient kernel pads a copy in each layer.
         """
         keys = self.P + self.T
         width = -(-keys // 8) * 8
