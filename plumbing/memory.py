@@ -87,27 +87,30 @@ def state(c, fsdp=False, world=1, kl_reference=False):
 
 def kv_cache(config, prompts, samples, prompt_tokens, new_tokens, dtype_bytes=BF16):
     """The KV cache of one engine call (fast/kv_cache.KVCache), bytes: (prompt part, own part).
-    Keys and values of every layer in the dtype the projections compute in (bf16 on CUDA:
-    autocast's, or the bf16 weights'): each prompt's once, (P * Hkv, T, D), however many samples
-    share it; each row's own (P * S, Hkv, new_tokens, D), every slot allocated at the start."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    Every layer's keys in fp32 (kept so for the decode passes' fp32 scores, upcast once as they
+    are written) and its values in the dtype the projections compute in (bf16 on CUDA: autocast's,
+    or the bf16 weights'): each prompt's once, (P * Hkv, T, D), however many samples share it;
+    each row's own (P * S, Hkv, new_tokens, D), every slot allocated at the start."""
+    per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    per_token *= FP32 + dtype_bytes
     return (
-        dtype_bytes * per_token * prompts * prompt_tokens,
-        dtype_bytes * per_token * prompts * samples * new_tokens,
+        per_token * prompts * prompt_tokens,
+        per_token * prompts * samples * new_tokens,
     )
 
 
 def decode_temporaries(config, prompts, samples, prompt_tokens, new_tokens, vocab):
     """The largest temporaries of the engine's last decode step, bytes: the larger of its
-    attention's and its sampler's. KVCache.attend upcasts one layer's keys to fp32 (the prompt
-    part's and the rows' own: the scores are fp32, as the training kernel's) beside the query and
-    the scores, prompt and own, then joined for one softmax; the sampler reads the head's (rows,
-    V) bf16 logits in fp32 chunks of ROWS_X_VOCAB entries (engine.sample_next_token)."""
-    rows, heads, kv = prompts * samples, config.num_attention_heads, config.num_key_value_heads
-    keys = FP32 * kv * config.head_dim * (prompts * prompt_tokens + rows * new_tokens)
+    attention's and its sampler's. KVCache.attend scores in fp32 (as the training kernel does,
+    on keys the cache keeps in fp32): the query upcast, scaled and laid out by prompt (three
+    copies), the scores, prompt and own, joined for one softmax, its output, that in the values'
+    dtype and its prompt part laid out by prompt; the sampler reads the head's (rows, V) bf16
+    logits in fp32 chunks of ROWS_X_VOCAB entries (engine.sample_next_token)."""
+    rows, heads = prompts * samples, config.num_attention_heads
     query = FP32 * rows * heads * config.head_dim
     scores = FP32 * rows * heads * (prompt_tokens + new_tokens)
-    attention = keys + query + 2 * scores
+    probs = BF16 * rows * heads * (prompt_tokens + new_tokens + prompt_tokens)
+    attention = 3 * query + 3 * scores + probs
     sampler = BF16 * rows * vocab + 3 * FP32 * min(rows * vocab, max(ROWS_X_VOCAB, vocab))
     return max(attention, sampler)
 
@@ -239,12 +242,13 @@ def head_buffers(config, c, mb):
 
 def head_temporaries(config, mb, head_fp32):
     """Bytes the head's forward pass holds for one chunk of LOGITS_PER_CHUNK logits: the fp32
-    buffer, the chunk's bf16 logits before they are copied in, and, when the head's weight is not
-    fp32 (a LoRA base, --fsdp's gathered bf16), its fp32 copy for the gradient matmul
-    (fast/logprobs.add_chunk_grads: weight.to(grad.dtype))."""
+    buffer and the chunk's bf16 logits before they are copied in, and, when the head's weight is
+    fp32 (full fine-tuning under autocast), its bf16 copy, made once a pass for the logits' and
+    the gradients' matmuls (fast/logprobs.matmul_dtype); a bf16 head (a LoRA base, --fsdp's
+    gathered weights) is used as it is."""
     V, C = config.vocab_size, config.hidden_size
     rows = min(max(1, LOGITS_PER_CHUNK // V), mb.B * mb.T)
-    return (FP32 + BF16) * rows * V + (0 if head_fp32 else FP32 * V * C)
+    return (FP32 + BF16) * rows * V + (BF16 * V * C if head_fp32 else 0)
 
 
 def activations(config, c, mb, residual_bytes, checkpointing, lora_rank=0, lora_targets=""):

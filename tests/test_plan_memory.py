@@ -16,6 +16,7 @@ import torch
 
 import chat_rl
 from engine import Engine, next_logits, sample_next_token
+from fast import attention
 from fast.logprobs import fast_logprobs, make_batch
 from plumbing import checkpoint, flags, memory, start
 from plumbing.flags import ConfigError
@@ -153,8 +154,9 @@ RUNS = {  # how a CUDA run holds the model, on the CPU: (its dtype, LoRA's targe
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("shape", [(2, 4, 24, 40), (3, 3, 17, 29)], ids=["2x4", "3x3"])
 def test_a_micro_batchs_activations_planned_are_what_its_forward_pass_leaves(
-    run, checkpointing, shape
+    run, checkpointing, shape, monkeypatch
 ):
+    monkeypatch.setattr(attention, "FP32_ON_CPU", False)  # CUDA's bf16 attention kernels
     # what the forward pass of the loss's log-probs (fast_logprobs, as train() calls it) leaves
     # allocated for its backward pass: every tensor autograd saved, SampledLogprobs' gradient
     # buffers, and what checkpointing keeps of each layer; the layer the backward pass recomputes
