@@ -118,8 +118,10 @@ def measure_machine(quick):
     )
 
 
-def decode_cost(c, rows, context):
-    """(FLOPs, bytes read) per generated token of config c at the given mean context length."""
+def decode_cost(c, rows, context, weight_bytes=4, kv_bytes=8):
+    """(FLOPs, bytes read) per generated token of config c at the given mean context length:
+    weights of weight_bytes each, a key and a value of kv_bytes together (fp32: 8; --dtype=bf16:
+    6, the cache's fp32 key and bf16 value)."""
     linear = (
         c.num_hidden_layers
         * (
@@ -129,13 +131,32 @@ def decode_cost(c, rows, context):
         + c.vocab_size * c.hidden_size
     )
     attention_flops = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context
-    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * 4
-    return 2 * linear + attention_flops, kv_bytes + linear * 4 / rows
+    kv = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * kv_bytes
+    return 2 * linear + attention_flops, kv + linear * weight_bytes / rows
 
 
-def ceiling_tokens_per_s(c, rows, prompt_len, new_tokens, machine):
-    flops, nbytes = decode_cost(c, rows, prompt_len + new_tokens / 2)
-    return 1 / (flops / machine.gemm_flops + nbytes / machine.read_bytes)
+def ceiling_tokens_per_s(c, rows, prompt_len, new_tokens, machine, bf16=False):
+    """Tokens/s at the machine's GEMM rate and read bandwidth; bf16: at its bf16 rate, with bf16
+    weights and the bf16 run's KV cache."""
+    sizes = dict(weight_bytes=2, kv_bytes=6) if bf16 else {}
+    flops, nbytes = decode_cost(c, rows, prompt_len + new_tokens / 2, **sizes)
+    rate = machine.bf16_flops if bf16 else machine.gemm_flops
+    return 1 / (flops / rate + nbytes / machine.read_bytes)
+
+
+def bf16_gemm_flops(quick):
+    """The bf16 GEMM rate of square matmuls: the faster of torch.mm's and, on x86, oneDNN's on a
+    weight packed in bf16 (the engine's under --dtype=bf16). On a CPU without bf16 units both are
+    emulated, slower than fp32."""
+    n, tries = (512, 3) if quick else (2048, 8)
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    rate = 2 * n**3 / best_of(lambda: a @ b, tries)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if packed_linear.can_pack(b):
+            dtype = torch.bfloat16
+            packed = packed_linear.packed_forward(packed_linear.pack(b, n, dtype), None, dtype)
+            rate = max(rate, 2 * n**3 / best_of(lambda: packed(a), tries))
+    return rate
 
 
 def rollout_floor(c, prompt_len, n_prompts, samples, new_tokens, machine):
@@ -167,13 +188,18 @@ def random_prompts(n, length, vocab, seed=0):
     ).tolist()
 
 
-def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1):
-    # no stop tokens: every row makes new_tokens
+def engine_tokens_per_s(model, prompts, samples, new_tokens, top_k, tries=1, bf16=False):
+    """The engine's tokens/s, every row making new_tokens (no stop tokens); bf16: under CPU bf16
+    autocast, as --dtype=bf16 samples."""
     engine = Engine(model, Tokenizer(model.config.vocab_size))
-    engine.generate_batch(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
-    seconds = best_of(
-        lambda: engine.generate_batch(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries
-    )
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    def generate(*args, **kwargs):
+        with autocast:
+            return engine.generate_batch(*args, **kwargs)
+
+    generate(prompts[:1], 2, 2, 1.0, top_k)  # warm-up
+    seconds = best_of(lambda: generate(prompts, samples, new_tokens, 1.0, top_k, seed=1), tries)
     return len(prompts) * samples * new_tokens / seconds
 
 
@@ -208,8 +234,9 @@ def transformers_tokens_per_s(hf, prompts, samples, new_tokens, top_k):
     return out.numel() - len(prompts) * samples * len(prompts[0]), seconds
 
 
-def load_transformers(model):
-    """The same weights through transformers: save_pretrained, then AutoModelForCausalLM."""
+def load_transformers(model, dtype=torch.float32):
+    """The same weights through transformers: save_pretrained, then AutoModelForCausalLM, in dtype
+    (bf16: as a user loads a model to sample in bf16)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -217,7 +244,7 @@ def load_transformers(model):
     folder = tempfile.mkdtemp(prefix="bench_rollout_")
     try:
         model.save_pretrained(folder)
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     finally:
         shutil.rmtree(folder)
 
@@ -390,6 +417,60 @@ def smollm2_rows(add, quick, prompt_len, new_tokens):
     )
 
 
+def smollm2_bf16_rows(add, quick, prompt_len, new_tokens):
+    """
+    smollm2_rows' batch in bf16: the engine under --dtype=bf16's autocast (fp32 weights, packed in
+    bf16 once a call) against transformers' generate on the same rows in fp32 and in bf16 (the
+    model loaded in bf16, as a user samples in bf16), and the engine in fp32, each timed in turn,
+    the faster of two each; and the engine against the bf16 ceiling (the bf16 GEMM rate, bf16
+    weights, the cache's fp32 keys and bf16 values).
+    """
+    name = "tiny-llama" if quick else "SmolLM2"
+    model = GPT(GPTConfig(**CONFIGS[name])).init_weights(0).eval()
+    c = model.config
+    n_prompts, samples = (2, 4) if quick else (16, 8)
+    prompts = random_prompts(n_prompts, prompt_len, c.vocab_size)
+    hf = {dtype: load_transformers(model, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for dtype, hf_model in hf.items():  # warm-up
+        transformers_tokens_per_s(hf_model, prompts[:1], samples, 2, 0)
+    best = dict.fromkeys(("bf16", "fp32", torch.float32, torch.bfloat16), 0.0)
+    for _ in range(2):  # in turn, so a drift in the shared machine's speed meets each alike
+        best["bf16"] = max(
+            best["bf16"], engine_tokens_per_s(model, prompts, samples, new_tokens, 0, bf16=True)
+        )
+        best["fp32"] = max(
+            best["fp32"], engine_tokens_per_s(model, prompts, samples, new_tokens, 0)
+        )
+        for dtype, hf_model in hf.items():
+            n, seconds = transformers_tokens_per_s(hf_model, prompts, samples, new_tokens, 0)
+            best[dtype] = max(best[dtype], n / seconds)
+    case = f"{name} {n_prompts}x{samples}, {new_tokens} new tokens, engine in bf16"
+    ours = best["bf16"]
+    for what, theirs, target in (
+        ("transformers fp32", best[torch.float32], ">= 2.5x"),
+        ("transformers bf16", best[torch.bfloat16], ">= 1.5x"),
+        ("the engine in fp32", best["fp32"], ""),
+    ):
+        add(
+            case,
+            f"{ours:,.0f} tok/s",
+            f"{what} {theirs:,.0f} tok/s",
+            f"{ours / theirs:.1f}x",
+            target,
+        )
+    now = measure_machine(quick)
+    now.bf16_flops = bf16_gemm_flops(quick)
+    ceiling = ceiling_tokens_per_s(c, n_prompts * samples, prompt_len, new_tokens, now, bf16=True)
+    add(
+        case,
+        f"{ours:,.0f} tok/s",
+        f"bf16 ceiling {ceiling:,.0f} tok/s ({now.bf16_flops / 1e9:.0f} GFLOP/s bf16, "
+        f"{now.read_bytes / 1e9:.0f} GB/s)",
+        percent(ours / ceiling),
+        "",
+    )
+
+
 def smollm2_step_rows(add, quick):
     """
     One RL step at SmolLM2-135M's shape as a laptop run takes it (8 prompts x 8 samples, 35-token
@@ -453,7 +534,7 @@ def main(argv=None):
         "--only",
         default="",
         help="comma-separated rows to run: engine, ops, long, mixed, sampling, logprob, rlstep, "
-        "lora, smollm2, smollm2-step, tool (default all)",
+        "lora, smollm2, smollm2-bf16, smollm2-step, tool (default all)",
     )
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -672,6 +753,8 @@ def main(argv=None):
         )
     if wanted("smollm2"):  # SmolLM2-135M's shape: the engine against transformers and its ceiling
         smollm2_rows(add, quick, prompt_len, new_tokens)
+    if wanted("smollm2-bf16"):  # the same in bf16: the engine against transformers in both dtypes
+        smollm2_bf16_rows(add, quick, prompt_len, new_tokens)
     if wanted("smollm2-step"):  # SmolLM2-135M's shape: one RL step in its parts, full and LoRA
         smollm2_step_rows(add, quick)
     if wanted("tool"):  # the calculator on against off, on the demo's policy
