@@ -349,39 +349,45 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
-    for rows in batches:
-        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        batch = SimpleNamespace(**options, sampled=targets >= 0,
-                                advantages=advantages[rows].to(device),
-                                normaliser=normaliser[rows].to(device),
-                                old_logp=saved.get("old_logp", rows),
-                                ref_logp=saved.get("ref_logp", rows),
-                                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
-        if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
-            with torch.no_grad(), autocast, reference() as frozen:
-                batch.ref_logp = logprobs(
-                    frozen, inputs, targets, temperature, vocab_size=vocab_size
-                )
-            saved.put("ref_logp", rows, batch.ref_logp, sequences)
-        # d loss / d logp guessed from the objective, for the fast path to make the head's
-        # gradients in its forward pass (exact for a loss linear in logp; others: made again)
-        loss_grad = guess(batch)
-        with autocast:
+    # one autocast block over every pass: each weight is cast to bf16 once for all of them
+    # (autocast keeps its casts until its outermost block ends), not once a pass
+    with autocast:
+        for rows in batches:
+            inputs, targets = make_batch(
+                [sequences[i] for i in rows], [masks[i] for i in rows], device
+            )
+            batch = SimpleNamespace(**options, sampled=targets >= 0,
+                                    advantages=advantages[rows].to(device),
+                                    normaliser=normaliser[rows].to(device),
+                                    old_logp=saved.get("old_logp", rows),
+                                    ref_logp=saved.get("ref_logp", rows),
+                                    sampler_logp=token_values(sampler_logp, rows,
+                                                              device))  # fmt: skip
+            if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
+                with torch.no_grad(), reference() as frozen:
+                    batch.ref_logp = logprobs(
+                        frozen, inputs, targets, temperature, vocab_size=vocab_size
+                    )
+                saved.put("ref_logp", rows, batch.ref_logp, sequences)
+            # d loss / d logp guessed from the objective, for the fast path to make the head's
+            # gradients in its forward pass (exact for a loss linear in logp; others: made again)
+            loss_grad = guess(batch)
             logp = logprobs(
                 model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size
             )
-        # the weights that sampled the rows: how far the sampler's numbers are from these
-        if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
-            gaps.append(
-                sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
-            )
-        loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
-        loss.backward()
-        loss_sum += loss.detach()
-        if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
-            saved.put("old_logp", rows, logp, sequences)
-        for name, value in batch_stats.items():
-            stats[name] = stats.get(name, 0.0) + value
+            # the weights that sampled the rows: how far the sampler's numbers are from these
+            if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
+                gaps.append(
+                    sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
+                )
+            loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
+            with torch.autocast(torch.device(device).type, enabled=False):  # as outside it
+                loss.backward()
+            loss_sum += loss.detach()
+            if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
+                saved.put("old_logp", rows, logp, sequences)
+            for name, value in batch_stats.items():
+                stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
 
 
