@@ -26,6 +26,8 @@ GPU will; nothing is downloaded):
     update       one RL update (loss, backward, AdamW) on the rollout batch against its FLOPs at the
                  matmul rate (target >= 75%)
     mixed        rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
+    gap          the bf16 sampler against the bf16 trainer on the rollout's tokens: the train rows'
+                 mismatch_* (chat_rl.sampler_gap), and what --rollout-correction would act on
 (shared_loss to update, the training pass's checks, are in scripts/gpu_check_training.py.) Each
 check runs in its own try/except: a failure prints its one-line error and the next check runs; the
 script ends with a markdown table, then one line per check saying what its result means for a run,
@@ -34,7 +36,7 @@ SIGTERM cuts off the check under way and the table still prints; no check starts
 seconds (default 480). Expected wall time on an H200 (guessed: nothing here has run on one yet):
 model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
 shared_loss ~10 s, fsdp_loss ~10 s, two_ranks ~40-60 s (each rank builds the model on its CPU), lora
-~10-20 s, update ~10-20 s, mixed ~10-30 s: about 2.5-4 minutes in all.
+~10-20 s, update ~10-20 s, mixed ~10-30 s, gap ~10 s: about 2.5-4 minutes in all.
 """
 
 import argparse
@@ -257,6 +259,35 @@ def check_mixed(s):
     return s.verdict(mixed / full <= 0.65), note + ", target <= 0.65x"
 
 
+def check_gap(s):
+    """The engine's log-probs of the tokens it drew, in bf16 as a run samples, against the
+    training pass's of the same rows, in bf16 as a run trains: the gap every train row logs
+    (mismatch_*), and the share of tokens a --rollout-cap of 2 would act on. A random model's
+    distributions are flatter than a trained one's: a real model's gap is the one to watch."""
+    import chat_rl  # the loss's own functions
+    from fast.logprobs import fast_logprobs, make_batch
+    from plumbing import metrics
+
+    model = s.model()
+    vocab = model.config.vocab_size
+    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    new_tokens = max(4, s.new_tokens // 4)
+    with s.autocast(), torch.no_grad():
+        out = Engine(model, Tokenizer(vocab)).generate(prompts, s.samples, new_tokens, 1.0, None)
+        inputs, targets = make_batch(out.sequences, out.masks, s.device)
+        trainer = fast_logprobs(model, inputs, targets, 1.0, vocab_size=vocab)
+    rows = range(len(out.sequences))
+    sampler = chat_rl.token_values(out.logprobs, rows, s.device)
+    gap = chat_rl.sampler_gap(trainer, sampler, targets >= 0, cap=2.0)
+    row = metrics.gap_row([gap], int((targets >= 0).sum()), s.device)
+    note = (
+        f"k3 {row['mismatch_k3']:.2e} a token, ratio {row['mismatch_ratio_min']:.3f}.."
+        f"{row['mismatch_ratio_max']:.3f}, {row['mismatch_past_cap']:.2%} past a cap of 2"
+    )
+    print("  " + note)
+    return ("pass" if row["mismatch_past_cap"] < 0.01 else "wide"), note
+
+
 # ---- the run -------------------------------------------------------------------------------------
 def error_line(e):
     """'Type: message' (first line), and where it was raised: the innermost frame in this
@@ -287,6 +318,7 @@ CHECK_FUNCTIONS = dict(
     lora=check_lora,
     update=check_update,
     mixed=check_mixed,
+    gap=check_gap,
 )
 CHECKS = list(CHECK_FUNCTIONS)
 
@@ -329,6 +361,12 @@ MEANING = {
         "pass": "an RL update meets its H200 speed target",
         "below target": "an RL update runs, below its H200 speed target",
         "ran (CPU)": "an RL update (loss, backward, AdamW) runs end to end",
+    },
+    "gap": {
+        "pass": "the sampler and the trainer agree closely (mismatch_* in metrics.jsonl show it "
+        "on your model); --rollout-correction=tis costs little if a run's mismatch_past_cap grows",
+        "wide": "over 1% of tokens' sampler/trainer ratio is past 2: train with "
+        "--rollout-correction=tis",
     },
     "mixed": {
         "pass": "finished rows leave the batch as fast as the target asks",
