@@ -72,7 +72,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
-from fast.logprobs import LOGPROBS, Guess, RolloutLogprobs, fast_logprobs, make_batch, micro_batches
+from fast.logprobs import (
+    LOGPROBS,
+    Guess,
+    RolloutLogprobs,
+    fast_logprobs,
+    make_batch,
+    micro_batches,
+    sampled_tokens,
+)
 from plumbing import checkpoint, fsdp, metrics
 from plumbing.data import derive_seed, problems_for_step
 from plumbing.distributed import all_reduce_sum, sync_gradients
@@ -173,16 +181,18 @@ PRESETS = dict(
                  eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
-# objective()'s flags, with their values when off: train() hands it each one's value from the
-# command line as batch.<name>. A flag of your own goes here and in HYPERPARAMETERS.
-OFF = dict(
-    kl_beta=0.0,
-    ppo_epochs=1,
-    clip_eps=0.2,
-    clip_eps_high=0.2,
-    rollout_correction="none",
-    rollout_cap=2.0,
+# objective()'s flags: train() hands it each one's value from the command line as batch.<name>.
+# Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. A
+# flag of your own: its line in HYPERPARAMETERS, its name here.
+OBJECTIVE_FLAGS = (
+    "kl_beta",
+    "ppo_epochs",
+    "clip_eps",
+    "clip_eps_high",
+    "rollout_correction",
+    "rollout_cap",
 )  # fmt: skip
+OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
@@ -245,14 +255,18 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy bonus,
-    GSPO's ratio, ...). logp (B, T): the policy's log-probs of the rows' tokens, 0 where not
-    sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T) (a row may sample none:
-    --mask-truncated), OFF's flags; ref_logp (B, T), the reference's (--kl-beta); old_logp (B, T),
-    the sampling policy's after --ppo-epochs' first update (None before it: these weights sampled
-    the rows); sampler_logp (B, T), what the engine drew each token with. Returns (loss, stats),
-    each stat a sum over the sampled tokens, shown in the train row as a mean per token. Both
+    GSPO's ratio, ...). Every (B, T) tensor is laid out as fast/logprobs.make_batch lays out the
+    targets: column t holds token t + 1 of a row (B rows, T the longest row's length - 1).
+    logp (B, T): the policy's log-probs of the rows' tokens, 0 where not sampled.
+    batch: advantages, per row (B,) or per token (B, T); normaliser N_i (B,); sampled (B, T) bool (a
+    row may sample none: --mask-truncated); OFF's flags; ref_logp (B, T), the reference's
+    (--kl-beta); old_logp (B, T), the sampling policy's after --ppo-epochs' first update (None
+    before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
+    with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
+    the train row as a mean per token (train()'s step_values holds what is once a step). Both
     --logprobs paths take any such function's gradient."""
-    A, N, sampled = batch.advantages[:, None], batch.normaliser[:, None], batch.sampled
+    A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
+    N, sampled = batch.normaliser[:, None], batch.sampled
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
     correction = rollout_weight(old_logp, batch)  # 1, unless --rollout-correction
     stats = {}
@@ -262,7 +276,10 @@ def objective(logp, batch):
         stats["clip_frac"] = logp.new_zeros(())  # one update a rollout: the ratio is 1, none clips
     else:  # PPO's clipped surrogate token by token (TRL's "dapo"), ratio 1 until the first update
         ratio = torch.exp(logp - old_logp)
-        clipped = ratio.clamp(1 - batch.clip_eps, 1 + batch.clip_eps_high)
+        eps_high = (
+            batch.clip_eps if batch.clip_eps_high < 0 else batch.clip_eps_high
+        )  # -1: the same
+        clipped = ratio.clamp(1 - batch.clip_eps, 1 + eps_high)
         loss = -(torch.minimum(ratio * A, clipped * A) * correction * sampled / N).sum()
         stats["clip_frac"] = (clipped * A < ratio * A)[sampled].sum()  # the clip holds the ratio
     if batch.kl_beta > 0:  # k3, an estimate of KL(policy || reference) per sampled token, >= 0
@@ -314,46 +331,62 @@ def sampler_gap(logp, sampler_logp, sampled, cap):
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
     """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
     passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
-    advantage (a unanimous group's are exactly 0); a KL term pulls on every row."""
+    advantage (a unanimous group's are exactly 0), per row (rows,) or per token (rows, T); a KL
+    term pulls on every row."""
     if kl_beta > 0:
         return torch.ones(len(advantages), dtype=torch.bool)
-    return (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
+    groups = advantages.abs().reshape(len(advantages) // num_samples, -1)  # a group's every entry
+    return (groups.sum(dim=1) > 0).repeat_interleave(num_samples)
 
 
-def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size,
-                             loss_norm, device, autocast=nullcontext(),
-                             device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
-                             vocab_size=None, options=OFF, reference=None, saved=None,
-                             stats=None, sampler_logp=None, gaps=None):  # fmt: skip
+def normaliser(tokens, kept, loss_norm, device):
+    """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks): the
+    docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: its rows'."""
+    counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
+    kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
+    N = {
+        "all_tokens": torch.full_like(tokens, all_tokens),
+        "kept_tokens": torch.full_like(tokens, kept_tokens),
+        "sequence": completions * tokens.clamp(min=1),
+    }[loss_norm]
+    return N, kept_tokens
+
+
+def policy_gradient_backward(model, sequences, masks, advantages, *,
+                             # the loss: step 5's L over the step's rows, all ranks' together
+                             num_samples, loss_norm, temperature=1.0, options=OFF, reference=None,
+                             sampler_logp=None,
+                             # how it is computed: passes of at most so many rows and tokens
+                             device="cpu", autocast=nullcontext(), device_batch_size=8,
+                             device_batch_tokens=math.inf, logprobs=fast_logprobs, vocab_size=None,
+                             # kept across --ppo-epochs: rows' log-probs, stats, the sampler's gap
+                             saved=None, stats=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
-    sum to L however the step is split. options: OFF's flags; reference: opens a block yielding the
-    frozen start (--kl-beta); saved: rows' log-probs across epochs; stats: objective()'s, summed;
-    sampler_logp: each row's log-probs as the engine sampled it (Samples.logprobs; None: taken as
-    the trainer's); gaps: a list the first epoch's passes append their sampler_gap to."""
-    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask 1 = sampled
+    sum to L however the step is split. advantages: (rows,), or (rows, T) per token (objective's
+    layout over all the rows); options: OFF's flags; reference: opens a block yielding the frozen
+    start (--kl-beta); sampler_logp: each row's log-probs as the engine drew it (Samples.logprobs;
+    None: no gap, no correction); saved: rows' log-probs across epochs; stats: objective()'s,
+    summed; gaps: a list the first epoch's passes append their sampler_gap to."""
+    tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
-    counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
-    kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
+    N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
     if kept_tokens == 0:  # no kept row on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    normaliser = {  # N_i of each of this rank's completions
-        "all_tokens": torch.full_like(sampled_tokens, all_tokens),
-        "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
-        "sequence": completions * sampled_tokens.clamp(min=1),
-    }[loss_norm]
     # a row without gradient would add 0, so it gets no pass; the kept rows go in passes of at
     # most device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
                             device_batch_size, device_batch_tokens)  # fmt: skip
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
+    # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
+    # makes the head's gradients in the forward pass, and again should the guess miss
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     for rows in batches:
         inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
         batch = SimpleNamespace(**options, sampled=targets >= 0,
-                                advantages=advantages[rows].to(device),
-                                normaliser=normaliser[rows].to(device),
+                                advantages=row_advantages(advantages, rows, targets, device),
+                                normaliser=N[rows].to(device),
                                 old_logp=saved.get("old_logp", rows),
                                 ref_logp=saved.get("ref_logp", rows),
                                 sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
@@ -363,19 +396,14 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
                     frozen, inputs, targets, temperature, vocab_size=vocab_size
                 )
             saved.put("ref_logp", rows, batch.ref_logp, sequences)
-        # d loss / d logp guessed from the objective, for the fast path to make the head's
-        # gradients in its forward pass (exact for a loss linear in logp; others: made again)
-        loss_grad = guess(batch)
         with autocast:
-            logp = logprobs(
-                model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size
-            )
+            logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
         # the weights that sampled the rows: how far the sampler's numbers are from these
         if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
             gaps.append(
                 sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
             )
-        loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
+        loss, batch_stats = objective(logp, batch)
         loss.backward()
         loss_sum += loss.detach()
         if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
@@ -383,6 +411,13 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
         for name, value in batch_stats.items():
             stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
+
+
+def row_advantages(advantages, rows, targets, device):
+    """The pass's advantages: (B,) per row, or (B, T) per token, cut to the width of its targets
+    (make_batch's layout: its longest row, no wider)."""
+    chosen = advantages[rows]
+    return (chosen if chosen.dim() == 1 else chosen[:, : targets.size(1)]).to(device)
 
 
 def token_values(values, rows, device):
@@ -428,7 +463,6 @@ def train(cfg, rank, world, device):
     model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
     num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
     options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
-    options["clip_eps_high"] = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
     print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed,
                               setup.dtype_why))  # fmt: skip
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
@@ -464,6 +498,9 @@ def train(cfg, rank, world, device):
         if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
+        # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
+        # their means over ranks go in the train row as they are, not per token like stats
+        step_values = {}
         masks = out["masks"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
@@ -476,12 +513,14 @@ def train(cfg, rank, world, device):
             # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
-                    model, out["sequences"], masks, advantages, cfg.num_samples,
-                    cfg.device_batch_size, cfg.loss_norm, device, autocast=autocast,
-                    device_batch_tokens=cfg.device_batch_tokens, temperature=cfg.temperature,
-                    logprobs=LOGPROBS[cfg.logprobs], vocab_size=tokenizer.vocab_size, saved=saved,
-                    options=options, reference=setup.reference, stats=stats,
-                    sampler_logp=out["logprobs"], gaps=gaps)  # fmt: skip
+                    model, out["sequences"], masks, advantages,
+                    num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
+                    temperature=cfg.temperature, options=options, reference=setup.reference,
+                    sampler_logp=out["logprobs"],
+                    device=device, autocast=autocast, device_batch_size=cfg.device_batch_size,
+                    device_batch_tokens=cfg.device_batch_tokens, logprobs=LOGPROBS[cfg.logprobs],
+                    vocab_size=tokenizer.vocab_size,
+                    saved=saved, stats=stats, gaps=gaps)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
@@ -502,7 +541,8 @@ def train(cfg, rank, world, device):
             grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
             state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
             **metrics.per_token(stats, kept_tokens * len(updates), device),
-            **metrics.gap_row(gaps, kept_tokens, device))  # fmt: skip
+            **metrics.gap_row(gaps, kept_tokens, device),
+            **metrics.rank_means(step_values, device))  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
