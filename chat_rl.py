@@ -82,7 +82,7 @@ from fast.logprobs import (
     sampled_tokens,
 )
 from plumbing import checkpoint, fsdp, metrics
-from plumbing.data import derive_seed, problems_for_step
+from plumbing.data import derive_seed, problems_for_step, refill_problems
 from plumbing.distributed import all_reduce_sum, sync_gradients
 from plumbing.evaluation import eval_step
 from plumbing.flags import RunError, run
@@ -117,6 +117,7 @@ HYPERPARAMETERS = dict(
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
     loss_norm=("all_tokens", "the loss's N_i (docstring): all_tokens | kept_tokens | sequence"),
     mask_truncated=(False, "cut-off completions (no stop token) train no token"),
+    refill=(0, "dynamic sampling: up to this many more rollouts a step for groups with signal"),
     kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy; 0 = off"),
     ppo_epochs=(1, "updates on each rollout; > 1: PPO's clipped ratio in the loss"),
     clip_eps=(0.2, "--ppo-epochs > 1: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]"),
@@ -239,6 +240,18 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     return out
 
 
+def refill_round(setup, cfg, step, r, rank, world):
+    """--refill's round r of a step on this rank: its problems (plumbing/data.refill_problems),
+    sampled from seeds of their own and scored, as rollout() returns them."""
+    problems, _ = refill_problems(setup.train_rows, step, r, rank, world, cfg.examples_per_step,
+                                  cfg.seed)  # fmt: skip
+    problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
+    return rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                   cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step, "refill", r),
+                   cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
+                   system_prompt=cfg.system_prompt)  # fmt: skip
+
+
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S."""
@@ -250,6 +263,35 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     # mean of 16 x 0.1 is not exactly 0.1), so zero it exactly: that lets the loss skip the group
     unanimous = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
     return adv.masked_fill(unanimous, 0.0).view(-1)
+
+
+def with_refills(out, advantages, sample_round, examples_per_step, num_samples, max_rounds, rank,
+                 world, device):  # fmt: skip
+    """--refill (DAPO's dynamic sampling): a unanimous group teaches nothing, so while fewer than
+    examples_per_step groups of the step have signal (a nonzero advantage), sample another round of
+    as many problems (sample_round(r): this rank's rollout of round r, plumbing/data.py's refill
+    problems), up to max_rounds more. The step then trains on its first examples_per_step groups
+    with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
+    every round's completions (what the step sampled, its metrics' rows), their advantages, which
+    of them train (rows,) bool, and the rounds' counts for the train row."""
+    rounds = [(out, advantages)]
+    while True:
+        # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
+        signal = torch.zeros(len(rounds), world, examples_per_step // world, device=device)
+        for r, (_, adv) in enumerate(rounds):
+            signal[r, rank] = (adv.view(-1, num_samples).abs().sum(dim=1) > 0).float()
+        signal = all_reduce_sum(signal).bool()
+        if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
+            break
+        extra = sample_round(len(rounds))
+        rounds.append((extra, compute_advantages(torch.tensor(extra["total"]), num_samples)))
+    # the first examples_per_step groups with signal, in (round, rank, place) order
+    chosen = signal & (signal.flatten().cumsum(0) <= examples_per_step).view(signal.shape)
+    trains = chosen[:, rank].repeat_interleave(num_samples, dim=1).flatten().cpu()
+    every = {key: sum((o[key] for o, _ in rounds), []) for key in out}
+    counts = dict(groups_sampled=signal.numel(), groups_kept=int(chosen.sum()),
+                  refill_rounds=len(rounds) - 1)  # fmt: skip
+    return every, torch.cat([adv for _, adv in rounds]), trains, counts
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
@@ -333,8 +375,8 @@ def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
     passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
     advantage (a unanimous group's are exactly 0), per row (rows,) or per token (rows, T); a KL
     term pulls on every row."""
-    if kl_beta > 0:
-        return torch.ones(len(advantages), dtype=torch.bool)
+    if kl_beta > 0 or len(advantages) == 0:  # (a rank --refill left no row: none)
+        return torch.full((len(advantages),), kl_beta > 0)
     groups = advantages.abs().reshape(len(advantages) // num_samples, -1)  # a group's every entry
     return (groups.sum(dim=1) > 0).repeat_interleave(num_samples)
 
@@ -498,12 +540,28 @@ def train(cfg, rank, world, device):
         if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
+        trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
+        if cfg.refill:
+            with autocast, fsdp.gathered(model), stop.abandonable(model):
+                out, advantages, trains, refilled = with_refills(
+                    out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
+                    cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world,
+                    device)  # fmt: skip
+            refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
+                refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
+                for r in range(1, refilled["refill_rounds"] + 1)
+            ]
+            t_rollout = time.time() - t0
         # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
         # their means over ranks go in the train row as they are, not per token like stats
         step_values = {}
-        masks = out["masks"]
+        sequences, masks, sampler_logp = out["sequences"], out["masks"], out["logprobs"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
+        if trains is not None:  # --refill: the chosen groups alone train
+            keep = trains.nonzero()[:, 0].tolist()
+            sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
+            sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
         model.train()
         lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
         saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
@@ -513,10 +571,10 @@ def train(cfg, rank, world, device):
             # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
-                    model, out["sequences"], masks, advantages,
+                    model, sequences, masks, advantages,
                     num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
                     temperature=cfg.temperature, options=options, reference=setup.reference,
-                    sampler_logp=out["logprobs"],
+                    sampler_logp=sampler_logp,
                     device=device, autocast=autocast, device_batch_size=cfg.device_batch_size,
                     device_batch_tokens=cfg.device_batch_tokens, logprobs=LOGPROBS[cfg.logprobs],
                     vocab_size=tokenizer.vocab_size,
@@ -542,7 +600,7 @@ def train(cfg, rank, world, device):
             state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
             **metrics.per_token(stats, kept_tokens * len(updates), device),
             **metrics.gap_row(gaps, kept_tokens, device),
-            **metrics.rank_means(step_values, device))  # fmt: skip
+            **metrics.rank_means(step_values, device), **refilled)  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))

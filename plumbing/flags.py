@@ -224,6 +224,8 @@ def check_config(cfg, world_size):
             raise ConfigError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}"
             )
+    if cfg.refill < 0:
+        raise ConfigError(f"--refill must be >= 0 (0 = off), got {cfg.refill}")
     for name in ("eval_every", "save_every", "num_steps"):
         value = getattr(cfg, name)
         if value == 0 or value < -1:
