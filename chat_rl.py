@@ -51,7 +51,8 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
      its completion's length, and steps shrink as groups turn unanimous (less left to learn).
-     kept_tokens (DAPO's, no refilling) keeps their size; sequence is GRPO's (all C).
+     kept_tokens (DAPO's) keeps their size; sequence is GRPO's (all C). --refill is DAPO's
+     dynamic sampling: more problems sampled until the step's groups all carry signal.
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
