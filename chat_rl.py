@@ -425,34 +425,38 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
     # makes the head's gradients in the forward pass, and again should the guess miss
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
-    for rows in batches:
-        inputs, targets = make_batch([sequences[i] for i in rows], [masks[i] for i in rows], device)
-        batch = SimpleNamespace(**options, sampled=targets >= 0,
-                                advantages=row_advantages(advantages, rows, targets, device),
-                                normaliser=N[rows].to(device),
-                                old_logp=saved.get("old_logp", rows),
-                                ref_logp=saved.get("ref_logp", rows),
-                                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
-        if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
-            with torch.no_grad(), autocast, reference() as frozen:
-                batch.ref_logp = logprobs(
-                    frozen, inputs, targets, temperature, vocab_size=vocab_size
-                )
-            saved.put("ref_logp", rows, batch.ref_logp, sequences)
-        with autocast:
-            logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
-        # the weights that sampled the rows: how far the sampler's numbers are from these
-        if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
-            gaps.append(
-                sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
+    # one autocast block over every pass: each weight is cast to bf16 once for all of them
+    # (autocast keeps its casts until its outermost block ends), not once a pass
+    with autocast:
+        for rows in batches:
+            inputs, targets = make_batch(
+                [sequences[i] for i in rows], [masks[i] for i in rows], device
             )
-        loss, batch_stats = objective(logp, batch)
-        loss.backward()
-        loss_sum += loss.detach()
-        if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
-            saved.put("old_logp", rows, logp, sequences)
-        for name, value in batch_stats.items():
-            stats[name] = stats.get(name, 0.0) + value
+            batch = SimpleNamespace(
+                **options, sampled=targets >= 0, normaliser=N[rows].to(device),
+                advantages=row_advantages(advantages, rows, targets, device),
+                old_logp=saved.get("old_logp", rows), ref_logp=saved.get("ref_logp", rows),
+                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
+            if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
+                with torch.no_grad(), reference() as frozen:
+                    batch.ref_logp = logprobs(
+                        frozen, inputs, targets, temperature, vocab_size=vocab_size
+                    )
+                saved.put("ref_logp", rows, batch.ref_logp, sequences)
+            logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
+            # the weights that sampled the rows: how far the sampler's numbers are from these
+            if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
+                gaps.append(
+                    sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
+                )
+            loss, batch_stats = objective(logp, batch)
+            with torch.autocast(torch.device(device).type, enabled=False):  # as outside it
+                loss.backward()
+            loss_sum += loss.detach()
+            if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
+                saved.put("old_logp", rows, logp, sequences)
+            for name, value in batch_stats.items():
+                stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
 
 
