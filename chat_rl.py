@@ -366,8 +366,8 @@ def sampler_gap(logp, sampler_logp, sampled, cap):
                 ((ratio < 1 / cap) | (ratio > cap)).sum(),
             ]
         ),
-        high=ratio.max() if ratio.numel() else torch.ones(()),
-        low=ratio.min() if ratio.numel() else torch.ones(()),
+        high=ratio.max() if ratio.numel() else ratio.new_ones(()),  # on the passes' device
+        low=ratio.min() if ratio.numel() else ratio.new_ones(()),
     )
 
 

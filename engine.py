@@ -283,7 +283,7 @@ def sample_from_probs(probs, u):
         probs = torch.nn.functional.pad(probs, (0, n_blocks * BLOCK - V))
     blocks = probs.view(B, n_blocks, BLOCK)
     block_sums = blocks.sum(dim=-1)  # (B, n_blocks)
-    running = block_sums.cumsum(dim=-1)
+    running = nondecreasing(block_sums.cumsum(dim=-1))
     target = u[:, None].to(running.dtype) * running[:, -1:]  # (B, 1)
     block = first_above(running, target)  # (B, 1)
     # the running sum before the chosen block; rounding may put it an ulp above the target:
@@ -291,7 +291,14 @@ def sample_from_probs(probs, u):
     rest = (target - (running - block_sums).gather(1, block)).clamp(min=0)
     # (B, BLOCK): the chosen block's entries
     inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[:, 0]
-    return (block * BLOCK + first_above(inside.cumsum(dim=-1), rest))[:, 0]
+    return (block * BLOCK + first_above(nondecreasing(inside.cumsum(dim=-1)), rest))[:, 0]
+
+
+def nondecreasing(running):
+    """A cumulative sum made nondecreasing, as searchsorted needs: CUDA's cumsum adds in a tree,
+    not in sequence, and can dip by an ulp (where a 0 follows), which could let a token of
+    probability 0 be drawn; a CPU's adds in order and cannot, and is left as it is."""
+    return running.cummax(dim=-1).values if running.is_cuda else running
 
 
 def first_above(running, target):
