@@ -51,7 +51,8 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
      its completion's length, and steps shrink as groups turn unanimous (less left to learn).
-     kept_tokens (DAPO's, no refilling) keeps their size; sequence is GRPO's (all C).
+     kept_tokens (DAPO's) keeps their size; sequence is GRPO's (all C). --refill is DAPO's
+     dynamic sampling: more problems sampled until the step's groups all carry signal.
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -72,9 +73,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
-from fast.logprobs import LOGPROBS, Guess, RolloutLogprobs, fast_logprobs, make_batch, micro_batches
+from fast.logprobs import (
+    LOGPROBS,
+    Guess,
+    RolloutLogprobs,
+    fast_logprobs,
+    make_batch,
+    micro_batches,
+    sampled_tokens,
+)
 from plumbing import checkpoint, fsdp, metrics
-from plumbing.data import derive_seed, problems_for_step
+from plumbing.data import derive_seed, problems_for_step, refill_problems
 from plumbing.distributed import all_reduce_sum, sync_gradients
 from plumbing.evaluation import eval_step
 from plumbing.flags import RunError, run
@@ -109,6 +118,7 @@ HYPERPARAMETERS = dict(
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
     loss_norm=("all_tokens", "the loss's N_i (docstring): all_tokens | kept_tokens | sequence"),
     mask_truncated=(False, "cut-off completions (no stop token) train no token"),
+    refill=(0, "dynamic sampling: up to this many more rollouts a step for groups with signal"),
     kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy; 0 = off"),
     ppo_epochs=(1, "updates on each rollout; > 1: PPO's clipped ratio in the loss"),
     clip_eps=(0.2, "--ppo-epochs > 1: the ratio clipped to [1 - clip_eps, 1 + clip_eps_high]"),
@@ -173,16 +183,18 @@ PRESETS = dict(
                  eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
-# objective()'s flags, with their values when off: train() hands it each one's value from the
-# command line as batch.<name>. A flag of your own goes here and in HYPERPARAMETERS.
-OFF = dict(
-    kl_beta=0.0,
-    ppo_epochs=1,
-    clip_eps=0.2,
-    clip_eps_high=0.2,
-    rollout_correction="none",
-    rollout_cap=2.0,
+# objective()'s flags: train() hands it each one's value from the command line as batch.<name>.
+# Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. A
+# flag of your own: its line in HYPERPARAMETERS, its name here.
+OBJECTIVE_FLAGS = (
+    "kl_beta",
+    "ppo_epochs",
+    "clip_eps",
+    "clip_eps_high",
+    "rollout_correction",
+    "rollout_cap",
 )  # fmt: skip
+OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
@@ -229,6 +241,18 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     return out
 
 
+def refill_round(setup, cfg, step, r, rank, world):
+    """--refill's round r of a step on this rank: its problems (plumbing/data.refill_problems),
+    sampled from seeds of their own and scored, as rollout() returns them."""
+    problems, _ = refill_problems(setup.train_rows, step, r, rank, world, cfg.examples_per_step,
+                                  cfg.seed)  # fmt: skip
+    problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
+    return rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                   cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step, "refill", r),
+                   cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
+                   system_prompt=cfg.system_prompt)  # fmt: skip
+
+
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S."""
@@ -242,17 +266,50 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     return adv.masked_fill(unanimous, 0.0).view(-1)
 
 
+def with_refills(out, advantages, sample_round, examples_per_step, num_samples, max_rounds, rank,
+                 world, device):  # fmt: skip
+    """--refill (DAPO's dynamic sampling): a unanimous group teaches nothing, so while fewer than
+    examples_per_step groups of the step have signal (a nonzero advantage), sample another round of
+    as many problems (sample_round(r): this rank's rollout of round r, plumbing/data.py's refill
+    problems), up to max_rounds more. The step then trains on its first examples_per_step groups
+    with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
+    every round's completions (what the step sampled, its metrics' rows), their advantages, which
+    of them train (rows,) bool, and the rounds' counts for the train row."""
+    rounds = [(out, advantages)]
+    while True:
+        # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
+        signal = torch.zeros(len(rounds), world, examples_per_step // world, device=device)
+        for r, (_, adv) in enumerate(rounds):
+            signal[r, rank] = (adv.view(-1, num_samples).abs().sum(dim=1) > 0).float()
+        signal = all_reduce_sum(signal).bool()
+        if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
+            break
+        extra = sample_round(len(rounds))
+        rounds.append((extra, compute_advantages(torch.tensor(extra["total"]), num_samples)))
+    # the first examples_per_step groups with signal, in (round, rank, place) order
+    chosen = signal & (signal.flatten().cumsum(0) <= examples_per_step).view(signal.shape)
+    trains = chosen[:, rank].repeat_interleave(num_samples, dim=1).flatten().cpu()
+    every = {key: sum((o[key] for o, _ in rounds), []) for key in out}
+    counts = dict(groups_sampled=signal.numel(), groups_kept=int(chosen.sum()),
+                  refill_rounds=len(rounds) - 1)  # fmt: skip
+    return every, torch.cat([adv for _, adv in rounds]), trains, counts
+
+
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy bonus,
-    GSPO's ratio, ...). logp (B, T): the policy's log-probs of the rows' tokens, 0 where not
-    sampled. batch: advantages (B,), normaliser N_i (B,), sampled (B, T) (a row may sample none:
-    --mask-truncated), OFF's flags; ref_logp (B, T), the reference's (--kl-beta); old_logp (B, T),
-    the sampling policy's after --ppo-epochs' first update (None before it: these weights sampled
-    the rows); sampler_logp (B, T), what the engine drew each token with. Returns (loss, stats),
-    each stat a sum over the sampled tokens, shown in the train row as a mean per token. Both
+    GSPO's ratio, ...). Every (B, T) tensor is laid out as fast/logprobs.make_batch lays out the
+    targets: column t holds token t + 1 of a row (B rows, T the longest row's length - 1).
+    logp (B, T): the policy's log-probs of the rows' tokens, 0 where not sampled.
+    batch: advantages, per row (B,) or per token (B, T); normaliser N_i (B,); sampled (B, T) bool (a
+    row may sample none: --mask-truncated); OFF's flags; ref_logp (B, T), the reference's
+    (--kl-beta); old_logp (B, T), the sampling policy's after --ppo-epochs' first update (None
+    before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
+    with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
+    the train row as a mean per token (train()'s step_values holds what is once a step). Both
     --logprobs paths take any such function's gradient."""
-    A, N, sampled = batch.advantages[:, None], batch.normaliser[:, None], batch.sampled
+    A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
+    N, sampled = batch.normaliser[:, None], batch.sampled
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
     correction = rollout_weight(old_logp, batch)  # 1, unless --rollout-correction
     stats = {}
@@ -262,7 +319,10 @@ def objective(logp, batch):
         stats["clip_frac"] = logp.new_zeros(())  # one update a rollout: the ratio is 1, none clips
     else:  # PPO's clipped surrogate token by token (TRL's "dapo"), ratio 1 until the first update
         ratio = torch.exp(logp - old_logp)
-        clipped = ratio.clamp(1 - batch.clip_eps, 1 + batch.clip_eps_high)
+        eps_high = (
+            batch.clip_eps if batch.clip_eps_high < 0 else batch.clip_eps_high
+        )  # -1: the same
+        clipped = ratio.clamp(1 - batch.clip_eps, 1 + eps_high)
         loss = -(torch.minimum(ratio * A, clipped * A) * correction * sampled / N).sum()
         stats["clip_frac"] = (clipped * A < ratio * A)[sampled].sum()  # the clip holds the ratio
     if batch.kl_beta > 0:  # k3, an estimate of KL(policy || reference) per sampled token, >= 0
@@ -306,48 +366,64 @@ def sampler_gap(logp, sampler_logp, sampled, cap):
                 ((ratio < 1 / cap) | (ratio > cap)).sum(),
             ]
         ),
-        high=ratio.max() if ratio.numel() else torch.ones(()),
-        low=ratio.min() if ratio.numel() else torch.ones(()),
+        high=ratio.max() if ratio.numel() else ratio.new_ones(()),  # on the passes' device
+        low=ratio.min() if ratio.numel() else ratio.new_ones(()),
     )
 
 
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
     """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
     passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
-    advantage (a unanimous group's are exactly 0); a KL term pulls on every row."""
-    if kl_beta > 0:
-        return torch.ones(len(advantages), dtype=torch.bool)
-    return (advantages.view(-1, num_samples).abs().sum(dim=1) > 0).repeat_interleave(num_samples)
+    advantage (a unanimous group's are exactly 0), per row (rows,) or per token (rows, T); a KL
+    term pulls on every row."""
+    if kl_beta > 0 or len(advantages) == 0:  # (a rank --refill left no row: none)
+        return torch.full((len(advantages),), kl_beta > 0)
+    groups = advantages.abs().reshape(len(advantages) // num_samples, -1)  # a group's every entry
+    return (groups.sum(dim=1) > 0).repeat_interleave(num_samples)
 
 
-def policy_gradient_backward(model, sequences, masks, advantages, num_samples, device_batch_size,
-                             loss_norm, device, autocast=nullcontext(),
-                             device_batch_tokens=math.inf, temperature=1.0, logprobs=fast_logprobs,
-                             vocab_size=None, options=OFF, reference=None, saved=None,
-                             stats=None, sampler_logp=None, gaps=None):  # fmt: skip
+def normaliser(tokens, kept, loss_norm, device):
+    """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks): the
+    docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: its rows'."""
+    counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
+    kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
+    N = {
+        "all_tokens": torch.full_like(tokens, all_tokens),
+        "kept_tokens": torch.full_like(tokens, kept_tokens),
+        "sequence": completions * tokens.clamp(min=1),
+    }[loss_norm]
+    return N, kept_tokens
+
+
+def policy_gradient_backward(model, sequences, masks, advantages, *,
+                             # the loss: step 5's L over the step's rows, all ranks' together
+                             num_samples, loss_norm, temperature=1.0, options=OFF, reference=None,
+                             sampler_logp=None,
+                             # how it is computed: passes of at most so many rows and tokens
+                             device="cpu", autocast=nullcontext(), device_batch_size=8,
+                             device_batch_tokens=math.inf, logprobs=fast_logprobs, vocab_size=None,
+                             # kept across --ppo-epochs: rows' log-probs, stats, the sampler's gap
+                             saved=None, stats=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
-    sum to L however the step is split. options: OFF's flags; reference: opens a block yielding the
-    frozen start (--kl-beta); saved: rows' log-probs across epochs; stats: objective()'s, summed;
-    sampler_logp: each row's log-probs as the engine sampled it (Samples.logprobs; None: taken as
-    the trainer's); gaps: a list the first epoch's passes append their sampler_gap to."""
-    sampled_tokens = torch.tensor([float(sum(mask)) for mask in masks])  # |S_i|: mask 1 = sampled
+    sum to L however the step is split. advantages: (rows,), or (rows, T) per token (objective's
+    layout over all the rows); options: OFF's flags; reference: opens a block yielding the frozen
+    start (--kl-beta); sampler_logp: each row's log-probs as the engine drew it (Samples.logprobs;
+    None: no gap, no correction); saved: rows' log-probs across epochs; stats: objective()'s,
+    summed; gaps: a list the first epoch's passes append their sampler_gap to."""
+    tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
-    counts = [sampled_tokens[kept].sum(), sampled_tokens.sum(), torch.tensor(float(len(masks)))]
-    kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
+    N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
     if kept_tokens == 0:  # no kept row on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    normaliser = {  # N_i of each of this rank's completions
-        "all_tokens": torch.full_like(sampled_tokens, all_tokens),
-        "kept_tokens": torch.full_like(sampled_tokens, kept_tokens),
-        "sequence": completions * sampled_tokens.clamp(min=1),
-    }[loss_norm]
     # a row without gradient would add 0, so it gets no pass; the kept rows go in passes of at
     # most device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
                             device_batch_size, device_batch_tokens)  # fmt: skip
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
+    # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
+    # makes the head's gradients in the forward pass, and again should the guess miss
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     # one autocast block over every pass: each weight is cast to bf16 once for all of them
     # (autocast keeps its casts until its outermost block ends), not once a pass
@@ -356,31 +432,24 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
             inputs, targets = make_batch(
                 [sequences[i] for i in rows], [masks[i] for i in rows], device
             )
-            batch = SimpleNamespace(**options, sampled=targets >= 0,
-                                    advantages=advantages[rows].to(device),
-                                    normaliser=normaliser[rows].to(device),
-                                    old_logp=saved.get("old_logp", rows),
-                                    ref_logp=saved.get("ref_logp", rows),
-                                    sampler_logp=token_values(sampler_logp, rows,
-                                                              device))  # fmt: skip
+            batch = SimpleNamespace(
+                **options, sampled=targets >= 0, normaliser=N[rows].to(device),
+                advantages=row_advantages(advantages, rows, targets, device),
+                old_logp=saved.get("old_logp", rows), ref_logp=saved.get("ref_logp", rows),
+                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
             if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
                 with torch.no_grad(), reference() as frozen:
                     batch.ref_logp = logprobs(
                         frozen, inputs, targets, temperature, vocab_size=vocab_size
                     )
                 saved.put("ref_logp", rows, batch.ref_logp, sequences)
-            # d loss / d logp guessed from the objective, for the fast path to make the head's
-            # gradients in its forward pass (exact for a loss linear in logp; others: made again)
-            loss_grad = guess(batch)
-            logp = logprobs(
-                model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size
-            )
+            logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
             # the weights that sampled the rows: how far the sampler's numbers are from these
             if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
                 gaps.append(
                     sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
                 )
-            loss, batch_stats = objective(guess.watch(logp, loss_grad), batch)
+            loss, batch_stats = objective(logp, batch)
             with torch.autocast(torch.device(device).type, enabled=False):  # as outside it
                 loss.backward()
             loss_sum += loss.detach()
@@ -389,6 +458,13 @@ def policy_gradient_backward(model, sequences, masks, advantages, num_samples, d
             for name, value in batch_stats.items():
                 stats[name] = stats.get(name, 0.0) + value
     return loss_sum, int(kept_tokens)
+
+
+def row_advantages(advantages, rows, targets, device):
+    """The pass's advantages: (B,) per row, or (B, T) per token, cut to the width of its targets
+    (make_batch's layout: its longest row, no wider)."""
+    chosen = advantages[rows]
+    return (chosen if chosen.dim() == 1 else chosen[:, : targets.size(1)]).to(device)
 
 
 def token_values(values, rows, device):
@@ -434,7 +510,6 @@ def train(cfg, rank, world, device):
     model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
     num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
     options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
-    options["clip_eps_high"] = cfg.clip_eps if cfg.clip_eps_high < 0 else cfg.clip_eps_high
     print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed,
                               setup.dtype_why))  # fmt: skip
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
@@ -470,9 +545,28 @@ def train(cfg, rank, world, device):
         if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
             break
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
-        masks = out["masks"]
+        trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
+        if cfg.refill:
+            with autocast, fsdp.gathered(model), stop.abandonable(model):
+                out, advantages, trains, refilled = with_refills(
+                    out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
+                    cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world,
+                    device)  # fmt: skip
+            refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
+                refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
+                for r in range(1, refilled["refill_rounds"] + 1)
+            ]
+            t_rollout = time.time() - t0
+        # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
+        # their means over ranks go in the train row as they are, not per token like stats
+        step_values = {}
+        sequences, masks, sampler_logp = out["sequences"], out["masks"], out["logprobs"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
+        if trains is not None:  # --refill: the chosen groups alone train
+            keep = trains.nonzero()[:, 0].tolist()
+            sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
+            sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
         model.train()
         lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
         saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
@@ -482,12 +576,14 @@ def train(cfg, rank, world, device):
             # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
             with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
                 loss, kept_tokens = policy_gradient_backward(
-                    model, out["sequences"], masks, advantages, cfg.num_samples,
-                    cfg.device_batch_size, cfg.loss_norm, device, autocast=autocast,
-                    device_batch_tokens=cfg.device_batch_tokens, temperature=cfg.temperature,
-                    logprobs=LOGPROBS[cfg.logprobs], vocab_size=tokenizer.vocab_size, saved=saved,
-                    options=options, reference=setup.reference, stats=stats,
-                    sampler_logp=out["logprobs"], gaps=gaps)  # fmt: skip
+                    model, sequences, masks, advantages,
+                    num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
+                    temperature=cfg.temperature, options=options, reference=setup.reference,
+                    sampler_logp=sampler_logp,
+                    device=device, autocast=autocast, device_batch_size=cfg.device_batch_size,
+                    device_batch_tokens=cfg.device_batch_tokens, logprobs=LOGPROBS[cfg.logprobs],
+                    vocab_size=tokenizer.vocab_size,
+                    saved=saved, stats=stats, gaps=gaps)  # fmt: skip
             if epoch == 0 and stop.requested(device):
                 break
             # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
@@ -508,7 +604,8 @@ def train(cfg, rank, world, device):
             grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
             state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
             **metrics.per_token(stats, kept_tokens * len(updates), device),
-            **metrics.gap_row(gaps, kept_tokens, device))  # fmt: skip
+            **metrics.gap_row(gaps, kept_tokens, device),
+            **metrics.rank_means(step_values, device), **refilled)  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))

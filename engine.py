@@ -28,6 +28,7 @@ import torch
 from fast.kv_cache import KVCache
 from fast.packed_linear import packed_linears
 from fast.tool_calls import ToolCalls, call_tables
+from policy import lora
 
 
 class Samples(NamedTuple):
@@ -207,7 +208,8 @@ def sample_next_token(logits, u, temperature=1.0, top_k=None, logprobs=False):
     if temperature == 0.0:
         token = logits.argmax(dim=-1)
         return (token, torch.zeros(token.shape, device=token.device)) if logprobs else token
-    rows = max(1, ROWS_X_VOCAB // logits.size(-1))
+    # on a GPU one chunk: each would be a dozen kernel launches, and memory is not the limit there
+    rows = logits.size(0) if logits.is_cuda else max(1, ROWS_X_VOCAB // logits.size(-1))
     if logits.size(0) <= rows:
         token, logp = _sample_rows(logits, u, temperature, top_k)
     else:
@@ -281,7 +283,7 @@ def sample_from_probs(probs, u):
         probs = torch.nn.functional.pad(probs, (0, n_blocks * BLOCK - V))
     blocks = probs.view(B, n_blocks, BLOCK)
     block_sums = blocks.sum(dim=-1)  # (B, n_blocks)
-    running = block_sums.cumsum(dim=-1)
+    running = nondecreasing(block_sums.cumsum(dim=-1))
     target = u[:, None].to(running.dtype) * running[:, -1:]  # (B, 1)
     block = first_above(running, target)  # (B, 1)
     # the running sum before the chosen block; rounding may put it an ulp above the target:
@@ -289,7 +291,14 @@ def sample_from_probs(probs, u):
     rest = (target - (running - block_sums).gather(1, block)).clamp(min=0)
     # (B, BLOCK): the chosen block's entries
     inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK))[:, 0]
-    return (block * BLOCK + first_above(inside.cumsum(dim=-1), rest))[:, 0]
+    return (block * BLOCK + first_above(nondecreasing(inside.cumsum(dim=-1)), rest))[:, 0]
+
+
+def nondecreasing(running):
+    """A cumulative sum made nondecreasing, as searchsorted needs: CUDA's cumsum adds in a tree,
+    not in sequence, and can dip by an ulp (where a 0 follows), which could let a token of
+    probability 0 be drawn; a CPU's adds in order and cannot, and is left as it is."""
+    return running.cummax(dim=-1).values if running.is_cuda else running
 
 
 def first_above(running, target):
@@ -322,10 +331,19 @@ def compaction_moves(keep, n_keep):
     return holes, fillers, order
 
 
+def host_count(x):
+    """The decode loop's host sync: a bool tensor's count of True, or a count tensor's entries, as
+    Python ints (tests count the calls)."""
+    return int(x.sum()) if x.dtype == torch.bool else x.tolist()
+
+
 def next_logits(model, token, cache):
     """token (B,) -> next-token logits (B, V): one token per row through the model, its keys
     and values cached."""
     return model(token[:, None], kv_cache=cache)[:, -1]
+
+
+CHECK_EVERY = 8  # positions between the decode loop's host syncs on CUDA (Engine.check_every)
 
 
 class Engine:
@@ -361,11 +379,17 @@ class Engine:
         any other.
     """
 
-    def __init__(self, model, tokenizer, compact_at=0.125, tool=None):
+    def __init__(self, model, tokenizer, compact_at=0.125, tool=None, check_every=None):
         self.model = model
         self.tokenizer = tokenizer
         self.compact_at = compact_at
         self.tool = tool
+        # how often, in positions, the host learns how many rows have finished (to stop, or to
+        # compact): each time is a sync that waits for the GPU, so on CUDA every CHECK_EVERY, the
+        # rows finished in between decoding on (their tokens discarded). With the calculator on,
+        # every position: a call's result is the row's next token. On a CPU a sync costs nothing.
+        device = model.lm_head.weight.device.type
+        self.check_every = check_every or (CHECK_EVERY if device == "cuda" else 1)
         # fast/tool_calls.call_tables of the tokenizer, built at the first call
         self.tool_tables = None
 
@@ -428,8 +452,9 @@ class Engine:
         sequence the loss runs as well.
         """
         # on the CPU the large matmuls take their weights packed once for the call
-        # (fast/packed_linear.py)
-        with packed_linears(self.model, rows=len(prompts) * num_samples):
+        # (fast/packed_linear.py); LoRA's adapters are stacked once for it too
+        rows = len(prompts) * num_samples
+        with packed_linears(self.model, rows=rows), lora.frozen_adapters(self.model):
             return self._generate(
                 prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
             )
@@ -479,10 +504,13 @@ class Engine:
                 torch.where(torch.isin(token, stop), positions[t], positions[max_new_tokens]),
             )
             if tools is None:
-                n_finished = int((length < max_new_tokens).sum())  # the position's one host sync
+                if (t + 1) % self.check_every and t < max_new_tokens - 1:  # no sync this time
+                    logits = next_logits(model, token, cache)
+                    continue
+                n_finished = host_count(length < max_new_tokens)  # the one host sync
             else:
                 counts = torch.stack([(length < max_new_tokens).sum(), called.sum()])
-                n_finished, n_called = counts.tolist()  # still one
+                n_finished, n_called = host_count(counts)  # still one
                 if n_called:
                     tools.answer(t, called, row_ids, out)
             if n_finished == n_rows or t == max_new_tokens - 1:

@@ -41,15 +41,24 @@ def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_si
 
 def make_batch(sequences, masks, device):
     """Right-padded (inputs, targets), both (B, T - 1): inputs[b, t] = token t of row b predicts
-    targets[b, t] = token t + 1, or -1 where the policy did not sample that token (prompt, tool
-    result, padding): no gradient."""
+    targets[b, t] = targets_of(row b)[t], padded with -1 (no gradient)."""
     B, T = len(sequences), max(len(s) for s in sequences) - 1
     inputs, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     for i, (seq, mask) in enumerate(zip(sequences, masks)):
         inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
-        sampled = [token if m else -1 for token, m in zip(seq[1:], mask[1:])]
-        targets[i, : len(seq) - 1] = torch.tensor(sampled)
+        targets[i, : len(seq) - 1] = torch.tensor(targets_of(seq, mask))
     return inputs.to(device), targets.to(device)
+
+
+def targets_of(sequence, mask):
+    """A row's targets: token t + 1 where the policy sampled it (mask 1), else -1 (the prompt, a
+    tool's result). The first token is never one: nothing before it predicts it."""
+    return [token if m else -1 for token, m in zip(sequence[1:], mask[1:])]
+
+
+def sampled_tokens(mask):
+    """|S_i|, the row's tokens the loss trains: its targets_of that are not -1."""
+    return sum(mask[1:])
 
 
 def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
@@ -333,6 +342,15 @@ class Guess:
             loss, _ = self.objective(x, batch)
             grad = torch.autograd.grad(loss, x, allow_unused=True)[0]
         return torch.zeros_like(x) if grad is None else grad
+
+    def logprobs(self, logprobs, model, inputs, targets, temperature, batch, vocab_size=None):
+        """logprobs(model, inputs, targets, ...) told this guess for the batch, and watched for a
+        miss: the log-probs of a pass of chat_rl.policy_gradient_backward."""
+        loss_grad = self(batch)
+        logp = logprobs(
+            model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size
+        )
+        return self.watch(logp, loss_grad)
 
     def watch(self, logp, guess):
         """logp, on which a hook compares the gradient that arrives with the guess."""

@@ -9,8 +9,8 @@ its weights merged, and its adapter alone in adapter/, a PEFT folder with the to
 (lora_base says how it names its base). Under --fsdp the optimizer state is in optimizer/
 instead, one file per rank with its shard (fsdp.py); either kind resumes with or without --fsdp.
 Data position is the step itself: step s always takes the s-th slice of a per-epoch permutation
-fixed by the seed, and every sampling seed is derived from (seed, step, rank), so nothing else
-is needed to continue bit-identically on CPU.
+fixed by the seed, and every sampling seed is derived from (seed, step, the problem's place in
+the step), never from the rank, so nothing else is needed to continue bit-identically on CPU.
 Writes are atomic: the folder is written under a temporary name and renamed into place, so a
 crash mid-write leaves a `.tmp-` folder that is never mistaken for a checkpoint.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from plumbing import fsdp
+from plumbing import flags, fsdp
 from plumbing.distributed import compute_dtype, cpu_bf16_units, dtype_choice, is_sharded
 from plumbing.flags import ConfigError, RunError
 from policy import lora
@@ -53,19 +53,11 @@ MAY_DIFFER = {
     "logprobs",
 }
 
-# settings younger than some checkpoints, and what the runs that saved those computed with
-ADDED = {
-    "mask_truncated": False,
-    "kl_beta": 0.0,
-    "ppo_epochs": 1,
-    "clip_eps": 0.2,
-    "clip_eps_high": -1.0,
-    "rollout_correction": "none",
-    "rollout_cap": 2.0,
-    "gsm8k_answer": "hash",
-    "rg_config": "",
-    "rg_train_size": 1000,
-}
+# A flag younger than a checkpoint: the run that saved it computed as the flag's default does (a
+# new flag's default is its value when off), so resuming compares the flag with its default; unless
+# it is named here with what such runs computed with instead. (--dtype's depends on the device:
+# find_resumable.)
+ADDED = {}
 
 # the repository root, above plumbing/
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,7 +346,9 @@ def find_resumable(cfg, world, device="cpu"):
             f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
             f"move it away to resume from an earlier one"
         ) from None
-    saved = {**ADDED, **state["config"]}
+    # a flag the checkpoint has not: its run computed as the flag's default (ADDED says otherwise)
+    saved = {**flags.DEFAULTS, **ADDED, **state["config"]}
+    younger = set(saved) - set(state["config"])
     if "dtype" not in state["config"]:  # before --dtype a run computed in the device's default
         saved["dtype"] = "bf16" if torch.device(device).type == "cuda" else "fp32"
     elif saved["dtype"] == "auto":  # a checkpoint written outside start(), which resolves it
@@ -370,7 +364,11 @@ def find_resumable(cfg, world, device="cpu"):
         differs.append(f"world size ({state.get('world_size')} -> {world})")
     if differs:
         detail = ", ".join(
-            f"{k} ({saved[k]!r} -> {current[k]!r})" if k in saved else k for k in differs
+            f"{k} ({saved[k]!r} -> {current[k]!r})"
+            + (" (the checkpoint is older than the flag)" if k in younger else "")
+            if k in saved
+            else k
+            for k in differs
         )
         hint = ""
         # the same flags, other rows: a data file edited or a hub data set updated

@@ -154,6 +154,17 @@ def problems_for_step(train_rows, step, rank, world, examples_per_step, seed):
     return [train_rows[i] for i in order[first : first + per_rank].tolist()]
 
 
+def refill_problems(train_rows, step, round, rank, world, examples_per_step, seed):
+    """(problems, their indices) of --refill's round `round` (1, 2, ...) of step `step`, rank's
+    part: examples_per_step drawn from all the training rows by a stream of the step and the round
+    alone, never from the epoch's order, which stays what it is however many rounds ran."""
+    stream = torch.Generator().manual_seed(derive_seed(seed, "refill", step, round))
+    order = torch.randperm(len(train_rows), generator=stream)[:examples_per_step]
+    per_rank = examples_per_step // world
+    ids = order[rank * per_rank : (rank + 1) * per_rank].tolist()
+    return [train_rows[i] for i in ids], ids
+
+
 def derive_seed(*parts):
     """Every seed of a run: a 63-bit hash of what tells two streams apart, e.g. (run seed, "data",
     epoch), or (the step's seed, a problem's place in the step), the step's seed being (run seed,

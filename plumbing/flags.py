@@ -119,7 +119,14 @@ def parse_config(argv, hyperparameters, presets=None, doc=""):
     if preset and preset not in presets:
         raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(presets)})")
     defaults = {name: default for name, (default, _) in hyperparameters.items()}
+    DEFAULTS.clear()
+    DEFAULTS.update(defaults)
     return SimpleNamespace(preset=preset, **{**defaults, **presets.get(preset, {}), **flags})
+
+
+# each flag's default, as the last parse_config read them: what a checkpoint older than a flag
+# computed with (plumbing/checkpoint.find_resumable)
+DEFAULTS = {}
 
 
 _BOOLS = ("true", "false", "1", "0")
@@ -217,6 +224,8 @@ def check_config(cfg, world_size):
             raise ConfigError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}"
             )
+    if cfg.refill < 0:
+        raise ConfigError(f"--refill must be >= 0 (0 = off), got {cfg.refill}")
     for name in ("eval_every", "save_every", "num_steps"):
         value = getattr(cfg, name)
         if value == 0 or value < -1:

@@ -89,6 +89,22 @@ def gap_row(gaps, kept_tokens, device):
     return {**row, "mismatch_ratio_max": high, "mismatch_ratio_min": -low}
 
 
+def rank_means(values, device):
+    """A step's own values (train()'s step_values: name -> a number this rank computed once this
+    step) as their means over the ranks; a rank without one counts 0 (every rank's names are
+    gathered first)."""
+    names = sorted(values)
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        names = sorted(set().union(*every))
+    if not names:
+        return {}
+    totals = torch.tensor([float(values.get(name, 0.0)) for name in names], dtype=torch.float64)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {n: t / world for n, t in zip(names, all_reduce_sum(totals.to(device)).tolist())}
+
+
 def peak_memory_gb(device):
     """The most CUDA memory allocated since the last call (the first: since the run started), in
     GiB; then the count starts again. Each train row so shows its own step's peak (with the eval or

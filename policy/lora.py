@@ -69,17 +69,22 @@ class Adapter(nn.Module):
         )
         for a in self.lora_A.values():  # PEFT's initialisation: A as nn.Linear's weight, B zero
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.built = None  # (a, b) made once for a block of frozen_adapters(), else None
 
-    def forward(self, x):
-        # (targets x r, in), in row order
+    def stacked(self):
+        """(a, b): the targets' A's stacked (targets x r, in), in row order, and their B's laid
+        block-diagonally (out, targets x r)."""
         a = torch.cat([self.lora_A[name] for name in self.widths if name in self.lora_A])
-        # (out, targets x r)
         b = torch.block_diag(
             *(
                 self.lora_B[name] if name in self.lora_B else a.new_zeros(width, 0)
                 for name, width in self.widths.items()
             )
         )
+        return a, b
+
+    def forward(self, x):
+        a, b = self.built if self.built is not None else self.stacked()
         return F.linear(F.linear(x, a), b) * self.scale
 
 
@@ -129,6 +134,24 @@ def add_adapters(model, rank, alpha, targets=TARGETS, seed=0, base_dtype=None):
             linear.lora_hook = linear.register_forward_hook(_add_lora_term)
     model.lora_config = dict(rank=rank, alpha=alpha, targets=list(targets))
     return model
+
+
+@contextmanager
+def frozen_adapters(model):
+    """Within the block every adapter's stacked matrices are made once, detached and in autocast's
+    dtype where it is on, not at each forward: the engine's decode passes (one per token) under
+    no_grad, where the weights do not change. On exit they are made afresh each pass again."""
+    adapters = [m for m in model.modules() if isinstance(m, Adapter)]
+    device = next(model.parameters()).device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    try:
+        with torch.no_grad():
+            for adapter in adapters:
+                adapter.built = tuple(m.to(dtype or m.dtype) for m in adapter.stacked())
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.built = None
 
 
 def _add_lora_term(linear, inputs, output):

@@ -223,10 +223,10 @@ def step_parts(model, n_prompts, samples, new_tokens):
                 out["sequences"],
                 out["masks"],
                 advantages,
-                samples,
-                32,
-                defaults["loss_norm"],
-                "cpu",
+                num_samples=samples,
+                device_batch_size=32,
+                loss_norm=defaults["loss_norm"],
+                device="cpu",
                 logprobs=logprobs,
                 device_batch_tokens=defaults["device_batch_tokens"],
             )
@@ -312,10 +312,10 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
             out.sequences,
             out.masks,
             advantages,
-            samples,
-            len(out.sequences),
-            defaults["loss_norm"],
-            "cpu",
+            num_samples=samples,
+            device_batch_size=len(out.sequences),
+            loss_norm=defaults["loss_norm"],
+            device="cpu",
             device_batch_tokens=defaults["device_batch_tokens"],
             logprobs=timed_logprobs,
         )
@@ -373,9 +373,9 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
     this device's matmul rates; {dtype: FLOP/s}). The rates are taken beside each try, by square
     (n, n) matmuls as many FLOPs long into one output (fresh outputs would cost page faults): on
     a shared machine the rate of the same seconds, not of a quieter moment (a second of matmuls
-    reads the machine at its best). The head's two gradient matmuls run in fp32
-    (logprobs.add_chunk_grads) and are priced at the fp32 rate, the rest at the rate of dtype,
-    the update's precision.
+    reads the machine at its best). Every matmul is priced at the rate of dtype, the update's
+    precision: the head's two gradient matmuls run in it too (logprobs.add_chunk_grads, under
+    autocast).
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -386,9 +386,7 @@ def update_against_floor(update, work, device, dtype, n=2048, tries=2):
         sync()
         return time.perf_counter() - t0
 
-    flops = {dtype: work["weight_flops"] + work["attention_flops"] - work["head_grad_flops"]}
-    # one entry when dtype is fp32
-    flops[torch.float32] = flops.get(torch.float32, 0) + work["head_grad_flops"]
+    flops = {dtype: work["weight_flops"] + work["attention_flops"]}
     seconds, rates = math.inf, {}
     for _ in range(tries):
         seconds = min(seconds, seconds_of(update))

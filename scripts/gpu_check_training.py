@@ -218,11 +218,12 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
     start = GPT(GPTConfig(**config)).init_weights(0)  # the same weights on every rank
     vocab = start.config.vocab_size
     sequences, masks, advantages = two_rank_rollouts(loss_batch, vocab, samples, rank)
-    args = (sequences, masks, advantages, samples, samples, "all_tokens", device)
+    args = (sequences, masks, advantages)
+    kw = dict(num_samples=samples, device_batch_size=samples, loss_norm="all_tokens", device=device)
     out = {}
     # replicated: each rank the whole model, the gradients summed by all-reduce
     model = copy.deepcopy(start).to(device).train()
-    chat_rl.policy_gradient_backward(model, *args, autocast=autocast)
+    chat_rl.policy_gradient_backward(model, *args, **kw, autocast=autocast)
     sync_gradients(model)
     out["replicated"] = flat_grad(model)
     del model
@@ -240,7 +241,9 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
         passes.append(1)
         return fast_logprobs(*a, **k)
 
-    chat_rl.policy_gradient_backward(sharded.train(), *args, autocast=autocast, logprobs=counted)
+    chat_rl.policy_gradient_backward(
+        sharded.train(), *args, **kw, autocast=autocast, logprobs=counted
+    )
     out["fsdp"] = flat_grad(sharded)
     # inside one gather: every weight whole, the model's rounded to bf16; ranks decode different
     # numbers of tokens
@@ -259,9 +262,7 @@ def _two_rank_worker(rank, world, folder, device_type, config, loss_batch):
         both = [two_rank_rollouts(loss_batch, vocab, samples, r) for r in range(world)]
         rows = [sum((b[i] for b in both), []) for i in (0, 1)] + [torch.cat([b[2] for b in both])]
         whole = copy.deepcopy(start).to(device).train()
-        chat_rl.policy_gradient_backward(
-            whole, *rows, samples, samples, "all_tokens", device, autocast=autocast
-        )
+        chat_rl.policy_gradient_backward(whole, *rows, **kw, autocast=autocast)
         reference = flat_grad(whole)
         result = {"ranks": everyone}
         for kind in ("replicated", "fsdp"):
@@ -336,10 +337,10 @@ def check_lora(s):
             sequences,
             masks,
             advantages,
-            samples,
-            samples,
-            "all_tokens",
-            s.device,
+            num_samples=samples,
+            device_batch_size=samples,
+            loss_norm="all_tokens",
+            device=s.device,
             autocast=s.autocast(),
         )
         grads[dtype] = flat_grad(model, trained_only=True)
@@ -411,10 +412,10 @@ def check_update(s):
             sequences,
             masks,
             advantages,
-            s.samples,
-            s.samples,
-            defaults["loss_norm"],
-            s.device,
+            num_samples=s.samples,
+            device_batch_size=s.samples,
+            loss_norm=defaults["loss_norm"],
+            device=s.device,
             autocast=s.autocast(),
             device_batch_tokens=defaults["device_batch_tokens"],
         )

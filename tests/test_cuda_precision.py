@@ -113,10 +113,10 @@ def _fsdp_worker(rank, world, init_file, out_dir):
             sequences,
             masks,
             advantages,
-            NUM_SAMPLES,
-            4,
-            "all_tokens",
-            "cpu",
+            num_samples=NUM_SAMPLES,
+            device_batch_size=4,
+            loss_norm="all_tokens",
+            device="cpu",
             autocast=bf16_autocast(),
             temperature=T,
             logprobs=logprobs,
@@ -163,10 +163,10 @@ def test_fsdp_in_bf16_on_two_ranks_gives_one_process_gradient_in_bf16(fsdp_ranks
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        4,
-        "all_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=4,
+        loss_norm="all_tokens",
+        device="cpu",
         autocast=bf16_autocast(),
         temperature=T,
         logprobs=plain_logprobs,
@@ -334,16 +334,19 @@ def adapter_grads(model):
 def test_lora_on_a_bf16_base_gives_the_fp32_base_gradients_on_every_loss_path(tmp_path):
     path = base_folder(tmp_path)
     sequences, masks, advantages = fast_tests.rollouts(seed=1)
-    args = (sequences, masks, advantages, NUM_SAMPLES, 8, "all_tokens", "cpu")
+    args, kw = (
+        (sequences, masks, advantages),
+        dict(num_samples=NUM_SAMPLES, device_batch_size=8, loss_norm="all_tokens", device="cpu"),
+    )
     reference = lora_model(path, torch.float32)
-    chat_rl.policy_gradient_backward(reference, *args, temperature=T, logprobs=plain_logprobs)
+    chat_rl.policy_gradient_backward(reference, *args, **kw, temperature=T, logprobs=plain_logprobs)
     expected = adapter_grads(reference)
     for logprobs in LOGPROBS.values():
         model = lora_model(path, BF16)
         adapter = model.model.layers[0].mlp.gate_up_proj.lora.lora_A["up_proj"]
         assert model.lm_head.weight.dtype == BF16 and adapter.dtype == torch.float32
         chat_rl.policy_gradient_backward(
-            model, *args, autocast=bf16_autocast(), temperature=T, logprobs=logprobs
+            model, *args, **kw, autocast=bf16_autocast(), temperature=T, logprobs=logprobs
         )
         grads = adapter_grads(model)
         assert all(grad.dtype == torch.float32 for grad in grads.values())

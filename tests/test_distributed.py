@@ -61,7 +61,14 @@ def _worker(rank, world, init_file, out_dir, dead_rank):
             )  # nothing to learn on this rank: it still joins every collective
         opt.zero_grad(set_to_none=True)
         loss, tokens = chat_rl.policy_gradient_backward(
-            model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu"
+            model,
+            seqs,
+            masks,
+            adv,
+            num_samples=NUM_SAMPLES,
+            device_batch_size=DEVICE_BATCH_SIZE,
+            loss_norm="kept_tokens",
+            device="cpu",
         )
         sync_gradients(model)
         if step == 0:
@@ -103,7 +110,14 @@ def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
     masks = union[0][1] + union[1][1]
     adv = torch.cat([union[0][2], union[1][2]])
     _, union_tokens = chat_rl.policy_gradient_backward(
-        model, seqs, masks, adv, NUM_SAMPLES, DEVICE_BATCH_SIZE, "kept_tokens", "cpu"
+        model,
+        seqs,
+        masks,
+        adv,
+        num_samples=NUM_SAMPLES,
+        device_batch_size=DEVICE_BATCH_SIZE,
+        loss_norm="kept_tokens",
+        device="cpu",
     )
     assert tokens == [
         union_tokens,

@@ -293,3 +293,30 @@ def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
         with torch.no_grad():
             model.lm_head.weight.copy_(original)
     assert all(s[-4:] != [0] * 4 for s in before) and all(s[-4:] == [0] * 4 for s in after)
+
+
+def test_on_cuda_the_decode_loop_syncs_with_the_host_once_every_check_every_positions(
+    model, monkeypatch
+):
+    # each host sync makes the CPU wait for the GPU: once every Engine.check_every positions
+    # (CUDA's default, engine.CHECK_EVERY), the finished rows decoding on till then; a CPU's
+    # default is every position, where a sync costs nothing
+    import engine as engine_module
+
+    syncs, count = [], engine_module.host_count
+
+    def counted(x):
+        syncs.append(x)
+        return count(x)
+
+    monkeypatch.setattr(engine_module, "host_count", counted)
+    kw = dict(num_samples=3, max_new_tokens=40, temperature=1.0, seed=4)
+    every = Engine(model, ByteTokenizer()).generate(PROMPTS, **kw)
+    assert Engine(model, ByteTokenizer()).check_every == 1
+    per_position, syncs[:] = len(syncs), []
+    sparse = Engine(model, ByteTokenizer(), check_every=engine_module.CHECK_EVERY).generate(
+        PROMPTS, **kw
+    )
+    assert per_position > engine_module.CHECK_EVERY  # every position ran, stopping late
+    assert len(syncs) <= -(-per_position // engine_module.CHECK_EVERY) + 1
+    assert sparse == every  # the rows that finished between two syncs are cut where they stopped

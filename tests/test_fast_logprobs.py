@@ -147,10 +147,10 @@ def test_through_the_loss_the_fast_path_gives_the_plain_loss_and_gradients(famil
             sequences,
             masks,
             advantages,
-            NUM_SAMPLES,
-            5,
-            loss_norm,
-            "cpu",
+            num_samples=NUM_SAMPLES,
+            device_batch_size=5,
+            loss_norm=loss_norm,
+            device="cpu",
             temperature=T,
             logprobs=counted,
         )
@@ -194,10 +194,10 @@ def test_both_paths_take_the_softmax_over_the_tokenizers_vocabulary_as_the_sampl
             sequences,
             masks,
             advantages,
-            NUM_SAMPLES,
-            8,
-            "all_tokens",
-            "cpu",
+            num_samples=NUM_SAMPLES,
+            device_batch_size=8,
+            loss_norm="all_tokens",
+            device="cpu",
             temperature=T,
             logprobs=logprobs,
             vocab_size=60,
@@ -308,7 +308,14 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
         lambda m, args, out: embedded.append(tuple(args[0].shape))
     )
     chat_rl.policy_gradient_backward(
-        model, sequences, masks, advantages, NUM_SAMPLES, 8, "kept_tokens", "cpu"
+        model,
+        sequences,
+        masks,
+        advantages,
+        num_samples=NUM_SAMPLES,
+        device_batch_size=8,
+        loss_norm="kept_tokens",
+        device="cpu",
     )
     prompt_lengths = [m.index(1) for m in masks]
     prefix_tokens = sum(n - 1 for n in prompt_lengths[::NUM_SAMPLES])
@@ -364,10 +371,10 @@ def _worker(rank, world, init_file, out_dir):
                 sequences,
                 masks,
                 advantages,
-                NUM_SAMPLES,
-                4,
-                "all_tokens",
-                "cpu",
+                num_samples=NUM_SAMPLES,
+                device_batch_size=4,
+                loss_norm="all_tokens",
+                device="cpu",
                 temperature=T,
                 logprobs=logprobs,
             )  # 3 passes on rank 0, 1 on rank 1
@@ -399,10 +406,10 @@ def test_on_two_ranks_the_fast_path_gives_the_plain_gradients_of_one_process(two
         sequences,
         masks,
         torch.cat([parts[0][2], parts[1][2]]),
-        NUM_SAMPLES,
-        4,
-        "all_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=4,
+        loss_norm="all_tokens",
+        device="cpu",
         temperature=T,
         logprobs=plain_logprobs,
     )

@@ -65,7 +65,16 @@ LIVE = {"uneven": (2, 1), "one rank idle": (2, 0)}
 def gradient(model, rank, live):
     model.zero_grad(set_to_none=True)
     seqs, masks, adv = groups_for(rank, live)
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, 1, "kept_tokens", "cpu")
+    chat_rl.policy_gradient_backward(
+        model,
+        seqs,
+        masks,
+        adv,
+        num_samples=NUM_SAMPLES,
+        device_batch_size=1,
+        loss_norm="kept_tokens",
+        device="cpu",
+    )
     return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
 
@@ -162,10 +171,10 @@ def reference_gradient(case):
         union[0][0] + union[1][0],
         union[0][1] + union[1][1],
         torch.cat([union[0][2], union[1][2]]),
-        NUM_SAMPLES,
-        1,
-        "kept_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=1,
+        loss_norm="kept_tokens",
+        device="cpu",
     )
     return model
 
@@ -258,11 +267,29 @@ def test_a_checkpoint_before_the_first_update_keeps_adamw_without_state(ranks):
 def test_activation_checkpointing_gives_the_same_gradient():
     model = model_for_test()
     seqs, masks, adv = groups_for(0, 2)
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, 4, "kept_tokens", "cpu")
+    chat_rl.policy_gradient_backward(
+        model,
+        seqs,
+        masks,
+        adv,
+        num_samples=NUM_SAMPLES,
+        device_batch_size=4,
+        loss_norm="kept_tokens",
+        device="cpu",
+    )
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     model.checkpoint_layers = True
-    chat_rl.policy_gradient_backward(model, seqs, masks, adv, NUM_SAMPLES, 4, "kept_tokens", "cpu")
+    chat_rl.policy_gradient_backward(
+        model,
+        seqs,
+        masks,
+        adv,
+        num_samples=NUM_SAMPLES,
+        device_batch_size=4,
+        loss_norm="kept_tokens",
+        device="cpu",
+    )
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, plain[n], atol=1e-6, rtol=0), n
 

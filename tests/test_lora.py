@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import chat_rl
 import test_hf_checkpoints as hf_ckpt  # a module object, so pytest does not collect its tests twice
 import test_resume
-from engine import Engine
+from engine import Engine, generate_reference
 from fast.logprobs import plain_logprobs
 from plumbing import checkpoint, start
 from plumbing.flags import ConfigError
@@ -85,7 +85,15 @@ def test_only_the_adapters_get_gradients_the_same_on_the_fast_and_the_plain_path
         masks = [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1], [0, 0, 1]]
         adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
         chat_rl.policy_gradient_backward(
-            model, seqs, masks, adv, 2, 8, "all_tokens", torch.device("cpu"), logprobs=logprobs
+            model,
+            seqs,
+            masks,
+            adv,
+            num_samples=2,
+            device_batch_size=8,
+            loss_norm="all_tokens",
+            device=torch.device("cpu"),
+            logprobs=logprobs,
         )
         names = {name for name, p in model.named_parameters() if p.grad is not None}
         assert names == {name for name, p in model.named_parameters() if ".lora." in name}, names
@@ -437,3 +445,25 @@ def test_the_base_is_recorded_as_a_hub_id_or_a_folder_loading_from_elsewhere(tmp
     assert recorded(snapshot) == "Qwen/Qwen2.5-0.5B-Instruct"  # a folder of the hub's cache: its id
     assert recorded(beside) == "../../../models/base"  # beside the run: from the adapter
     assert recorded(beside, run_in=tmp_path / "elsewhere") == str(beside)  # elsewhere: absolute
+
+
+def test_the_engine_stacks_each_adapter_once_a_call_not_once_a_token(tmp_path, monkeypatch):
+    path, _ = base_folder(tmp_path, "qwen2")
+    model = with_trained_adapters(GPT.from_pretrained(path).eval())  # B moved: the terms count
+    adapters = [m for m in model.modules() if isinstance(m, lora.Adapter)]
+    built, stacked = [], lora.Adapter.stacked
+
+    def counted(self):
+        built.append(self)
+        return stacked(self)
+
+    monkeypatch.setattr(lora.Adapter, "stacked", counted)
+    prompts, tokenizer = [[1, 5, 9], [3, 3, 7, 2]], hf_ckpt.NoStopTokenizer()
+    kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, seed=1)
+    samples = Engine(model, tokenizer).generate(prompts, **kw)
+    assert len(built) == len(adapters)  # once each, for the whole call
+    assert all(adapter.built is None for adapter in adapters)  # and made afresh after it
+    built.clear()
+    reference = generate_reference(model, tokenizer, prompts, **kw)
+    assert len(built) > 10 * len(adapters)  # the plain sampler: each pass stacks them again
+    assert samples[:4] == reference[:4]

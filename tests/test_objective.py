@@ -150,10 +150,10 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        3,
-        loss_norm,
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=3,
+        loss_norm=loss_norm,
+        device="cpu",
         temperature=T,
         logprobs=counted,
     )
@@ -218,7 +218,15 @@ def test_each_normaliser_divides_by_what_its_name_says(loss_norm, expected):
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(HAND_REWARDS, num_samples=2)
     loss, tokens = chat_rl.policy_gradient_backward(
-        model, HAND_SEQS, HAND_MASKS, adv, 2, 8, loss_norm, "cpu", logprobs=linear_logprobs
+        model,
+        HAND_SEQS,
+        HAND_MASKS,
+        adv,
+        num_samples=2,
+        device_batch_size=8,
+        loss_norm=loss_norm,
+        device="cpu",
+        logprobs=linear_logprobs,
     )
     assert loss.item() == pytest.approx(expected)
     assert model.w.grad.item() == pytest.approx(expected)  # the loss is linear in w, and w = 1
@@ -234,7 +242,15 @@ def test_kept_tokens_is_all_tokens_scaled_by_all_over_kept():
     for loss_norm in ("kept_tokens", "all_tokens"):
         model = small_model()
         _, kept = chat_rl.policy_gradient_backward(
-            model, sequences, masks, advantages, NUM_SAMPLES, 8, loss_norm, "cpu", temperature=T
+            model,
+            sequences,
+            masks,
+            advantages,
+            num_samples=NUM_SAMPLES,
+            device_batch_size=8,
+            loss_norm=loss_norm,
+            device="cpu",
+            temperature=T,
         )
         results[loss_norm] = grads(model)
     ratio = sum(sum(m[1:]) for m in masks) / kept
@@ -259,10 +275,10 @@ def _worker(rank, world, init_file, out_dir):
             sequences,
             masks,
             chat_rl.compute_advantages(rewards, NUM_SAMPLES),
-            NUM_SAMPLES,
-            8,
-            loss_norm,
-            "cpu",
+            num_samples=NUM_SAMPLES,
+            device_batch_size=8,
+            loss_norm=loss_norm,
+            device="cpu",
             temperature=T,
         )
         chat_rl.sync_gradients(model)
@@ -377,10 +393,10 @@ def test_mask_truncated_trains_no_cut_off_token_and_keeps_their_rewards_in_the_b
         sequences,
         chat_rl.without_truncated(masks, CUT),
         advantages,
-        NUM_SAMPLES,
-        3,
-        loss_norm,
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=3,
+        loss_norm=loss_norm,
+        device="cpu",
         temperature=T,
     )
     # written out: L = -sum_{i finished} sum_{t in S_i} A_i logp_it / N_i, N_i over finished rows'

@@ -96,14 +96,15 @@ def two_epochs(
     """--ppo-epochs=2 as train() runs it: the first epoch on the sampling policy (its log-probs
     kept), the second on `policy`, which has moved. Returns the second's (loss, kept tokens, stats);
     its gradient is in policy."""
-    saved, args = fast.RolloutLogprobs(), (NUM_SAMPLES, batch_rows, loss_norm, "cpu")
+    saved = fast.RolloutLogprobs()
+    args = dict(num_samples=NUM_SAMPLES, device_batch_size=batch_rows, loss_norm=loss_norm)
     clip = dict(ppo_epochs=2, clip_eps=EPS_LOW, clip_eps_high=EPS_HIGH)
     opts = options(**{**clip, **kwargs.pop("opts", {})})  # a test's own opts win
     kwargs.update(temperature=T, logprobs=logprobs, options=opts, saved=saved)
-    chat_rl.policy_gradient_backward(sampler, sequences, masks, advantages, *args, **kwargs)
+    chat_rl.policy_gradient_backward(sampler, sequences, masks, advantages, **args, **kwargs)
     stats = {}
     loss, kept = chat_rl.policy_gradient_backward(
-        policy, sequences, masks, advantages, *args, stats=stats, **kwargs
+        policy, sequences, masks, advantages, **args, stats=stats, **kwargs
     )
     return loss, kept, stats
 
@@ -124,10 +125,10 @@ def test_the_kl_term_is_k3_over_n_on_every_row_at_a_moved_policy(path, loss_norm
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        3,
-        loss_norm,
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=3,
+        loss_norm=loss_norm,
+        device="cpu",
         temperature=T,
         logprobs=PATHS[path],
         options=options(kl_beta=BETA),
@@ -156,16 +157,20 @@ def test_the_kl_term_is_k3_over_n_on_every_row_at_a_moved_policy(path, loss_norm
 def test_at_the_start_the_kl_is_zero_and_the_gradient_the_policy_gradients():
     sequences, masks, advantages = step_zero()  # reference = policy: exp(0) - 0 - 1
     policy, plain, stats = base.small_model(), base.small_model(), {}
-    args = (sequences, masks, advantages, NUM_SAMPLES, 3, "all_tokens", "cpu")
+    args, kw = (
+        (sequences, masks, advantages),
+        dict(num_samples=NUM_SAMPLES, device_batch_size=3, loss_norm="all_tokens", device="cpu"),
+    )
     chat_rl.policy_gradient_backward(
         policy,
         *args,
+        **kw,
         temperature=T,
         options=options(kl_beta=BETA),
         reference=frozen_model(base.small_model()),
         stats=stats,
     )
-    chat_rl.policy_gradient_backward(plain, *args, temperature=T)
+    chat_rl.policy_gradient_backward(plain, *args, **kw, temperature=T)
     assert abs(float(stats["kl"])) < 1e-5
     base.assert_same_grads(base.grads(policy), base.grads(plain))
 
@@ -179,10 +184,10 @@ def test_with_the_kl_a_step_of_unanimous_groups_still_trains():
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        8,
-        "all_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=8,
+        loss_norm="all_tokens",
+        device="cpu",
         temperature=T,
         options=options(kl_beta=BETA),
         reference=frozen_model(base.small_model()),
@@ -266,13 +271,16 @@ def test_in_the_first_epoch_the_ratio_is_exactly_1_and_the_gradient_the_policy_g
     monkeypatch.setattr(chat_rl, "objective", watched)
     monkeypatch.setattr(fast, "nll_grads", lambda *a: recomputed.append(1) or nll_grads(*a))
     ppo, default, stats, saved = base.small_model(), base.small_model(), {}, fast.RolloutLogprobs()
-    args = (sequences, masks, advantages, NUM_SAMPLES, 3, "all_tokens", "cpu")
+    args, kw = (
+        (sequences, masks, advantages),
+        dict(num_samples=NUM_SAMPLES, device_batch_size=3, loss_norm="all_tokens", device="cpu"),
+    )
     chat_rl.policy_gradient_backward(
-        ppo, *args, temperature=T, options=options(ppo_epochs=2), saved=saved, stats=stats
+        ppo, *args, **kw, temperature=T, options=options(ppo_epochs=2), saved=saved, stats=stats
     )
     assert not recomputed and float(stats["clip_frac"]) == 0
     assert given == [None] * 4  # 2 passes, each a guess and the pass itself
-    chat_rl.policy_gradient_backward(default, *args, temperature=T)
+    chat_rl.policy_gradient_backward(default, *args, **kw, temperature=T)
     base.assert_same_grads(base.grads(ppo), base.grads(default))
     rows = [i for i, kept in enumerate(base.kept_rows(advantages)) if kept]  # kept: the sampler's
     inputs, targets = chat_rl.make_batch(
@@ -466,10 +474,9 @@ def _worker(rank, world, init_file, out_dir):
             chat_rl.policy_gradient_backward(
                 policy,
                 *rows,
-                NUM_SAMPLES,
-                2,
-                "all_tokens",
-                "cpu",
+                num_samples=NUM_SAMPLES,
+                device_batch_size=2,
+                loss_norm="all_tokens",
                 temperature=T,
                 options=options(kl_beta=BETA),
                 reference=frozen_model(base.small_model()),

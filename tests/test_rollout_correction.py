@@ -97,10 +97,10 @@ def test_each_correction_is_its_formula_at_a_bf16_sampler_and_an_fp32_trainer(pa
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        3,
-        "all_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=3,
+        loss_norm="all_tokens",
+        device="cpu",
         temperature=T,
         logprobs=PATHS[path],
         options=opts.options(rollout_correction=kind, rollout_cap=cap),
@@ -146,11 +146,14 @@ def test_after_a_ppo_update_the_weight_is_the_sampling_weights_ratio_to_the_samp
 def test_without_the_samplers_log_probs_nothing_is_corrected():
     sequences, masks, advantages, _, cap = step_with_mismatch()
     corrected, plain = base.small_model(), base.small_model()
-    args = (sequences, masks, advantages, NUM_SAMPLES, 3, "all_tokens", "cpu")
-    chat_rl.policy_gradient_backward(
-        corrected, *args, temperature=T, options=opts.options(rollout_correction="tis")
+    args, kw = (
+        (sequences, masks, advantages),
+        dict(num_samples=NUM_SAMPLES, device_batch_size=3, loss_norm="all_tokens", device="cpu"),
     )
-    chat_rl.policy_gradient_backward(plain, *args, temperature=T)
+    chat_rl.policy_gradient_backward(
+        corrected, *args, **kw, temperature=T, options=opts.options(rollout_correction="tis")
+    )
+    chat_rl.policy_gradient_backward(plain, *args, **kw, temperature=T)
     base.assert_same_grads(base.grads(corrected), base.grads(plain))
 
 
@@ -319,10 +322,10 @@ def _worker(rank, world, init_file, out_dir):
         sequences,
         masks,
         advantages,
-        NUM_SAMPLES,
-        2,
-        "all_tokens",
-        "cpu",
+        num_samples=NUM_SAMPLES,
+        device_batch_size=2,
+        loss_norm="all_tokens",
+        device="cpu",
         temperature=T,
         options=opts.options(rollout_correction="tis", rollout_cap=CAP),
         sampler_logp=q_rows,

@@ -294,7 +294,14 @@ def test_forced_tokens_are_neither_trained_nor_counted_by_the_loss():
     masks = [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 1, 1]]
     advantages = torch.tensor([0.5, -0.5])
     loss, counted = chat_rl.policy_gradient_backward(
-        model, seqs, masks, advantages, 2, 8, chat_rl.HYPERPARAMETERS["loss_norm"][0], "cpu"
+        model,
+        seqs,
+        masks,
+        advantages,
+        num_samples=2,
+        device_batch_size=8,
+        loss_norm=chat_rl.HYPERPARAMETERS["loss_norm"][0],
+        device="cpu",
     )
     assert counted == 6  # the sampled tokens only
     reference = GPT(model.config)

@@ -1,0 +1,199 @@
+"""
+What a fork that changes the objective relies on: each objective flag's off value written once (its
+default), so OFF, the defaults and resume's view of older checkpoints cannot disagree; a flag added
+without a word to resume still refuses an older checkpoint it would change; one count of a row's
+sampled tokens; advantages per token as well as per row, on both log-prob paths and two ranks; a
+once-a-step value's home in the train row.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import chat_rl
+import test_objective as base  # the objective's own tests: their model, rollouts and formulas
+from fast.logprobs import make_batch, plain_logprobs, sampled_tokens
+from plumbing import checkpoint, flags, metrics
+
+T, NUM_SAMPLES = base.T, base.NUM_SAMPLES
+PATHS = {"plain": plain_logprobs, "fast": chat_rl.fast_logprobs}
+
+
+# ---- one off value a flag ------------------------------------------------------------------------
+def test_each_objective_flag_is_off_at_its_default_and_resume_reads_older_checkpoints_so():
+    defaults = {name: default for name, (default, _) in chat_rl.HYPERPARAMETERS.items()}
+    assert chat_rl.OFF == {name: defaults[name] for name in chat_rl.OBJECTIVE_FLAGS}
+    assert set(chat_rl.OBJECTIVE_FLAGS) <= set(defaults)
+    assert not set(chat_rl.OFF) & checkpoint.MAY_DIFFER  # they change what is computed
+    # ADDED names only what an older run computed otherwise than the default says
+    assert all(name in defaults and defaults[name] != v for name, v in checkpoint.ADDED.items())
+
+
+def test_the_off_upper_clip_is_the_lower_one():
+    # --clip-eps-high's default, -1, is --clip-eps: objective() reads it so, whoever calls it
+    sequences, masks = base.rollouts()
+    advantages = chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES)
+    grads = []
+    for high in (-1.0, 0.1):
+        policy, old = base.small_model(), base.small_model(seed=3)
+        saved = chat_rl.RolloutLogprobs()
+        options = {**chat_rl.OFF, "ppo_epochs": 2, "clip_eps": 0.1, "clip_eps_high": high}
+        kw = dict(num_samples=NUM_SAMPLES, loss_norm="all_tokens", temperature=T, options=options)
+        chat_rl.policy_gradient_backward(old, sequences, masks, advantages, saved=saved, **kw)
+        chat_rl.policy_gradient_backward(policy, sequences, masks, advantages, saved=saved, **kw)
+        grads.append(base.grads(policy))
+    base.assert_same_grads(*grads)
+
+
+@pytest.fixture
+def forked(monkeypatch):
+    """chat_rl with a flag of a fork's own, --entropy-coef (default 0.0, off), added to
+    HYPERPARAMETERS and nowhere else."""
+    hyperparameters = {
+        **chat_rl.HYPERPARAMETERS,
+        "entropy_coef": (0.0, "weight of an entropy bonus; 0 = off"),
+    }
+    monkeypatch.setattr(chat_rl, "HYPERPARAMETERS", hyperparameters)
+    return hyperparameters
+
+
+def checkpoint_before_the_flag(tmp_path, hyperparameters):
+    """A checkpoint whose run had no --entropy-coef, as one saved before the fork added it."""
+    folder = tmp_path / "step_000003"
+    base.small_model().save_pretrained(str(folder))
+    cfg = flags.parse_config([f"--out-dir={tmp_path}", "--dtype=fp32"], hyperparameters)
+    older = {k: v for k, v in vars(cfg).items() if k != "entropy_coef"}
+    state = {"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": older}
+    torch.save(state, folder / "trainer_state.pt")
+
+
+def test_a_checkpoint_older_than_a_new_flag_resumes_at_its_default_and_refuses_another(
+    tmp_path, forked
+):
+    checkpoint_before_the_flag(tmp_path, forked)
+    argv = [f"--out-dir={tmp_path}", "--dtype=fp32", "--resume"]
+    assert checkpoint.find_resumable(flags.parse_config(argv, forked), world=1)[0] == 3
+    cfg = flags.parse_config([*argv, "--entropy-coef=0.01"], forked)
+    with pytest.raises(flags.ConfigError) as refused:
+        checkpoint.find_resumable(cfg, world=1)
+    message = str(refused.value)
+    assert "entropy_coef (0.0 -> 0.01) (the checkpoint is older than the flag)" in message
+    assert "\n" not in message
+
+
+# ---- one count of a row's sampled tokens ---------------------------------------------------------
+def test_a_rows_sampled_tokens_are_its_targets():
+    gen = torch.Generator().manual_seed(0)
+    sequences, masks = [], []
+    for n in (1, 2, 5, 9):
+        sequences.append(torch.randint(0, 40, (n,), generator=gen).tolist())
+        masks.append(torch.randint(0, 2, (n,), generator=gen).tolist())
+    masks[2][0] = 1  # a first token marked sampled: nothing predicts it, so it is no target
+    _, targets = make_batch(sequences, masks, "cpu")
+    assert [sampled_tokens(m) for m in masks] == (targets >= 0).sum(dim=1).tolist()
+
+
+# ---- advantages per token ------------------------------------------------------------------------
+def per_token_advantages(advantages, sequences, seed=0):
+    """(rows, T) advantages in make_batch's layout: each row's A_i times a positive weight per
+    token (a return-to-go's shape), 0 past its end and in a unanimous group."""
+    T_max = max(len(s) for s in sequences) - 1
+    gen = torch.Generator().manual_seed(seed)
+    weights = 0.5 + torch.rand(len(sequences), T_max, generator=gen)
+    for i, seq in enumerate(sequences):
+        weights[i, len(seq) - 1 :] = 0
+    return advantages[:, None] * weights
+
+
+def written_out(policy, sequences, masks, A, loss_norm):
+    """L = -sum_i sum_{t in S_i} A_it logp_it / N_i, every row, straight from the logits."""
+    inputs, targets = make_batch(sequences, masks, "cpu")
+    sampled = targets >= 0
+    logp = base.direct_logp(policy, inputs, targets, T)
+    tokens = sampled.sum(dim=1).float()
+    kept = base.kept_rows(A.abs().sum(dim=1))
+    N = {
+        "all_tokens": tokens.sum().expand(len(sequences)),
+        "kept_tokens": tokens[kept].sum().expand(len(sequences)),
+        "sequence": len(sequences) * tokens.clamp(min=1),
+    }[loss_norm][:, None]
+    loss = -(A[:, : logp.size(1)] * logp * sampled / N).sum()
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("loss_norm", base.NORMS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_per_token_advantage_is_its_formula_on_both_paths(path, loss_norm):
+    sequences, masks = base.rollouts()
+    A = per_token_advantages(chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES), sequences)
+    policy, expected_policy = base.small_model(), base.small_model()
+    loss, _ = chat_rl.policy_gradient_backward(
+        policy,
+        sequences,
+        masks,
+        A,
+        num_samples=NUM_SAMPLES,
+        loss_norm=loss_norm,
+        device_batch_size=3,
+        temperature=T,
+        logprobs=PATHS[path],
+    )
+    expected = written_out(expected_policy, sequences, masks, A, loss_norm)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
+
+
+def test_a_per_token_advantage_constant_along_each_row_is_the_per_row_one():
+    sequences, masks = base.rollouts()
+    advantages = chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES)
+    T_max = max(len(s) for s in sequences) - 1
+    per_row, per_token = base.small_model(), base.small_model()
+    kw = dict(num_samples=NUM_SAMPLES, loss_norm="all_tokens", device_batch_size=3, temperature=T)
+    chat_rl.policy_gradient_backward(per_row, sequences, masks, advantages, **kw)
+    broadcast = advantages[:, None].expand(-1, T_max)
+    chat_rl.policy_gradient_backward(per_token, sequences, masks, broadcast, **kw)
+    base.assert_same_grads(base.grads(per_token), base.grads(per_row))
+
+
+# ---- two ranks: per-token advantages and a once-a-step value -------------------------------------
+def rank_rows(rank):
+    sequences, masks = base.rollouts(seed=20 + rank, num_groups=4 if rank == 0 else 2)
+    advantages = chat_rl.compute_advantages(base.REWARDS[: len(sequences)], NUM_SAMPLES)
+    return sequences, masks, advantages
+
+
+def _worker(rank, world, init_file, out_dir, T_max):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    sequences, masks, advantages = rank_rows(rank)
+    A = per_token_advantages(advantages, sequences, seed=rank)
+    A = torch.nn.functional.pad(A, (0, T_max - A.size(1)))  # the step's width, as train() holds it
+    policy = base.small_model()
+    chat_rl.policy_gradient_backward(
+        policy, sequences, masks, A, num_samples=NUM_SAMPLES, loss_norm="all_tokens"
+    )
+    chat_rl.sync_gradients(policy)
+    per_step = metrics.rank_means({"spread": float(rank + 1)} if rank == 0 else {}, "cpu")
+    torch.save({"grads": base.grads(policy), "per_step": per_step}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_on_two_ranks_per_token_advantages_sum_to_one_process_over_every_row(tmp_path):
+    parts = [rank_rows(r) for r in range(2)]
+    T_max = max(len(s) for part in parts for s in part[0]) - 1
+    args = (2, str(tmp_path / "init"), str(tmp_path), T_max)
+    mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
+    results = [torch.load(os.path.join(tmp_path, f"{r}.pt")) for r in range(2)]
+    sequences = parts[0][0] + parts[1][0]
+    masks = parts[0][1] + parts[1][1]
+    A = [per_token_advantages(p[2], p[0], seed=r) for r, p in enumerate(parts)]
+    A = torch.cat([torch.nn.functional.pad(a, (0, T_max - a.size(1))) for a in A])
+    expected = base.small_model()
+    written_out(expected, sequences, masks, A, "all_tokens")
+    for result in results:
+        base.assert_same_grads(result["grads"], base.grads(expected))
+        assert result["per_step"] == {"spread": 0.5}  # rank 0's 1.0 and rank 1's nothing
