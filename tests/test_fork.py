@@ -174,7 +174,7 @@ def _worker(rank, world, init_file, out_dir, T_max):
     A = torch.nn.functional.pad(A, (0, T_max - A.size(1)))  # the step's width, as train() holds it
     policy = base.small_model()
     chat_rl.policy_gradient_backward(
-        policy, sequences, masks, A, num_samples=NUM_SAMPLES, loss_norm="all_tokens"
+        policy, sequences, masks, A, num_samples=NUM_SAMPLES, loss_norm="all_tokens", temperature=T
     )
     chat_rl.sync_gradients(policy)
     per_step = metrics.rank_means({"spread": float(rank + 1)} if rank == 0 else {}, "cpu")

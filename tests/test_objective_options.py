@@ -361,14 +361,12 @@ def test_impossible_objective_flags_are_refused_in_one_line(argv, message):
 
 def test_the_objective_flags_change_what_is_computed_so_resume_checks_them(tmp_path):
     assert not {"kl_beta", "ppo_epochs", "clip_eps", "clip_eps_high"} & checkpoint.MAY_DIFFER
-    defaults = {name: default for name, (default, _) in chat_rl.HYPERPARAMETERS.items()}
-    assert all(defaults[name] == value for name, value in checkpoint.ADDED.items())
     folder = tmp_path / "step_000003"
     base.small_model().save_pretrained(str(folder))
     cfg = flags.parse_config(
         ["--preset=demo", f"--out-dir={tmp_path}"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
     )
-    older = {k: v for k, v in vars(cfg).items() if k not in checkpoint.ADDED}  # before the flags
+    older = {k: v for k, v in vars(cfg).items() if k not in chat_rl.OFF}  # before the flags
     torch.save(
         {"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": older},
         folder / "trainer_state.pt",
@@ -452,8 +450,8 @@ def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
         )
         == 0
     )
-    # the upper clip is the lower one's unless given
-    given = dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=0.1)
+    # as given: the upper clip's -1 (--clip-eps) is objective()'s to read (test_fork.py)
+    given = dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=-1.0)
     assert seen == [{**chat_rl.OFF, **given}] * 3  # a flag added to OFF: its off value
 
 
