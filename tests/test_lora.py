@@ -458,7 +458,9 @@ def test_the_engine_stacks_each_adapter_once_a_call_not_once_a_token(tmp_path, m
         return stacked(self)
 
     monkeypatch.setattr(lora.Adapter, "stacked", counted)
-    prompts, tokenizer = [[1, 5, 9], [3, 3, 7, 2]], hf_ckpt.NoStopTokenizer()
+    tokenizer = ByteTokenizer()  # the reference sampler decodes what it draws
+    tokenizer.stop_tokens, tokenizer.vocab_size = set(), hf_ckpt.VOCAB  # every row to the end
+    prompts = [[1, 5, 9], [3, 3, 7, 2]]
     kw = dict(num_samples=2, max_new_tokens=12, temperature=1.0, seed=1)
     samples = Engine(model, tokenizer).generate(prompts, **kw)
     assert len(built) == len(adapters)  # once each, for the whole call
