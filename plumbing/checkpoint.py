@@ -124,7 +124,8 @@ def build_policy(cfg, state, device, dtype=None):
         )
     if cfg.lora_rank and not adapter:
         targets = lora.parse_targets(cfg.lora_targets)
-    dtype = dtype or compute_dtype(device, None if cfg.dtype == "auto" else cfg.dtype)
+    choice = getattr(cfg, "dtype", "auto")  # a cfg of its own (a test, a script): the default
+    dtype = dtype or compute_dtype(device, None if choice == "auto" else choice)
     base_dtype = dtype if cfg.lora_rank and dtype != torch.float32 else None
     # a frozen base is read in its dtype straight from the file (read in fp32 first, a 7B base would
     # take 30 GB of the GPU before its cast to 15); the modules a LoRA run trains whole stay fp32

@@ -29,6 +29,7 @@ ROWS = (
     "tiny-llama 2x4, 16 new tokens, top-k 0",
     "tiny-llama decode pass, 8 rows, weights packed",
     "tiny-llama head and sampler",
+    "tiny-llama 2x4, 16 new tokens, engine in bf16",  # against transformers in fp32 and bf16
     *(
         f"tiny-llama RL step 2x4, 8 + 8 tokens, {kind}: {part}"
         for kind in ("full", "LoRA rank 16")
@@ -46,7 +47,7 @@ def test_quick_bench_prints_every_row_with_finite_figures_and_positive_ratios(ca
     rows = [
         line.strip("|").split(" | ") for line in table.splitlines()[2:] if line.startswith("| ")
     ]
-    assert len(rows) == 31
+    assert len(rows) == 35
     for case, engine, compared, ratio, _ in rows:
         assert not re.search(r"(?<![a-z])(nan|inf)", " ".join((engine, compared, ratio)), re.I), (
             case
