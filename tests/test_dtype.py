@@ -18,17 +18,12 @@ from fast import packed_linear
 from plumbing import checkpoint, distributed, flags
 from plumbing.checkpoint import load_policy
 from policy.gpt import GPTConfig
+from scripts.bench_rl_step import SHAPES
 from tasks import arith
 from tasks.common import conversation
 
-SMOLLM2 = GPTConfig(  # SmolLM2-135M's shape: its gate/up weight, 3072 x 576, is worth bf16
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-)
+# SmolLM2-135M's shape: its gate/up weight, 3072 x 576, is worth bf16
+SMOLLM2 = GPTConfig(**SHAPES["smollm2-135m"])
 DEMO = GPTConfig()  # the demo model's: 768 x 128, too small to gain
 
 
