@@ -255,7 +255,11 @@ def refill_round(setup, cfg, step, r, rank, world):
 
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
-    """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S."""
+    """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
+    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own goes here and in
+    plumbing/flags.check_config's list of them."""
+    if kind not in ("mean", "zscore"):
+        raise ValueError(f"unknown advantage {kind!r}")
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
@@ -267,14 +271,15 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 
 
 def with_refills(out, advantages, sample_round, examples_per_step, num_samples, max_rounds, rank,
-                 world, device):  # fmt: skip
+                 world, device, kind="mean"):  # fmt: skip
     """--refill (DAPO's dynamic sampling): a unanimous group teaches nothing, so while fewer than
     examples_per_step groups of the step have signal (a nonzero advantage), sample another round of
     as many problems (sample_round(r): this rank's rollout of round r, plumbing/data.py's refill
     problems), up to max_rounds more. The step then trains on its first examples_per_step groups
     with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
     every round's completions (what the step sampled, its metrics' rows), their advantages, which
-    of them train (rows,) bool, and the rounds' counts for the train row."""
+    of them train (rows,) bool, and the rounds' counts for the train row. kind: --advantage, which
+    every round's groups take as the first's did."""
     rounds = [(out, advantages)]
     while True:
         # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
@@ -285,7 +290,8 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
         if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
             break
         extra = sample_round(len(rounds))
-        rounds.append((extra, compute_advantages(torch.tensor(extra["total"]), num_samples)))
+        extra_advantages = compute_advantages(torch.tensor(extra["total"]), num_samples, kind)
+        rounds.append((extra, extra_advantages))
     # the first examples_per_step groups with signal, in (round, rank, place) order
     chosen = signal & (signal.flatten().cumsum(0) <= examples_per_step).view(signal.shape)
     trains = chosen[:, rank].repeat_interleave(num_samples, dim=1).flatten().cpu()
@@ -550,8 +556,8 @@ def train(cfg, rank, world, device):
             with autocast, fsdp.gathered(model), stop.abandonable(model):
                 out, advantages, trains, refilled = with_refills(
                     out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
-                    cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world,
-                    device)  # fmt: skip
+                    cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world, device,
+                    cfg.advantage)  # fmt: skip
             refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
                 refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
                 for r in range(1, refilled["refill_rounds"] + 1)

@@ -40,8 +40,9 @@ def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_si
 
 
 def make_batch(sequences, masks, device):
-    """Right-padded (inputs, targets), both (B, T - 1): inputs[b, t] = token t of row b predicts
-    targets[b, t] = targets_of(row b)[t], padded with -1 (no gradient)."""
+    """Right-padded (inputs, targets), both (B, T) with T the longest row's length - 1: inputs[b, t]
+    = token t of row b predicts targets[b, t] = targets_of(row b)[t], padded with -1 (no
+    gradient)."""
     B, T = len(sequences), max(len(s) for s in sequences) - 1
     inputs, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     for i, (seq, mask) in enumerate(zip(sequences, masks)):

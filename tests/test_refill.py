@@ -60,6 +60,17 @@ def test_the_step_trains_its_first_groups_with_signal_in_round_order():
     assert all(adv.view(-1, S)[g].abs().sum() > 0 for g, c in enumerate(chosen) if c)
 
 
+def test_every_round_takes_the_runs_kind_of_advantage():
+    rounds = [[[1, 0], [1, 1]], [[1, 0], [0, 0]]]
+    first = group_out(rounds[0])
+    zscore = chat_rl.compute_advantages(torch.tensor(first["total"]), S, "zscore")
+    _, adv, _, _ = chat_rl.with_refills(
+        first, zscore, lambda r: group_out(rounds[r]), 2, S, 1, 0, 1, "cpu", kind="zscore"
+    )
+    expected = chat_rl.compute_advantages(torch.tensor([1.0, 0, 1, 1, 1, 0, 0, 0]), S, "zscore")
+    torch.testing.assert_close(adv, expected)  # round 1's z-scored as round 0's: not r - mean(r)
+
+
 def test_a_bound_on_the_rounds_trains_on_what_has_signal_by_then():
     rounds = [[[1, 1], [0, 0]], [[0, 1], [1, 1]], [[0, 0], [1, 0]]]
     first = group_out(rounds[0])
