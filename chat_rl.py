@@ -176,11 +176,12 @@ PRESETS = dict(
               examples_per_step=12, max_new_tokens=64, num_steps=150, device_batch_size=64,
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
     # docs/smollm2.md: SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
-    # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower)
+    # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower);
+    # fp32: at 64 rows a pass bf16 was no faster on a 2-core CPU with bf16 units (benchmarks.md)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
-                 device_type="cpu", examples_per_step=8, num_samples=8, max_new_tokens=64,
-                 tool="none", num_steps=20, device_batch_size=16, lr=3e-5, lora_lr=3e-4,
-                 eval_every=10, eval_examples=64, eval_samples=16),
+                 device_type="cpu", dtype="fp32", examples_per_step=8, num_samples=8,
+                 max_new_tokens=64, tool="none", num_steps=20, device_batch_size=16, lr=3e-5,
+                 lora_lr=3e-4, eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
 # objective()'s flags: train() hands it each one's value from the command line as batch.<name>.

@@ -89,7 +89,7 @@ def dtype_choice(device, choice="auto", config=None):
     fp32 elsewhere."""
     device = torch.device(device)
     if choice != "auto":
-        return choice, "--dtype"
+        return choice, "as given"
     if device.type == "cuda":
         return "bf16", "auto: CUDA"
     if device.type != "cpu":

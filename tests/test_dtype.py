@@ -54,7 +54,7 @@ def test_auto_takes_bf16_where_the_hardware_has_it_and_the_model_gains(
     bf16_units(units)
     assert distributed.dtype_choice(device, "auto", config) == expected
     for given in ("fp32", "bf16"):  # a choice given is kept, whatever the hardware
-        assert distributed.dtype_choice(device, given, config) == (given, "--dtype")
+        assert distributed.dtype_choice(device, given, config) == (given, "as given")
 
 
 def test_the_threshold_sits_between_the_demo_and_smollm2():
@@ -93,7 +93,7 @@ def test_bf16_on_a_cpu_without_bf16_units_warns_in_one_line(bf16_units, tmp_path
         "chat_rl: warning: --dtype=bf16 on a CPU without bf16 units (AVX512-BF16 or AMX): "
         "torch emulates its matmuls, several times slower than --dtype=fp32"
     ]
-    assert " dtype=bf16 (--dtype) " in lines[1]  # and it runs as asked
+    assert " dtype=bf16 (as given) " in lines[1]  # and it runs as asked
     assert rows[0]["skipped_nonfinite"] == 0
 
 

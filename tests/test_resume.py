@@ -367,6 +367,6 @@ def test_a_bf16_run_with_the_rollout_correction_resumes_bit_for_bit(model_dir, t
     assert launch(args(model_dir, out) + BF16, "metrics", 2).returncode == -9
     resumed = launch(args(model_dir, out) + BF16 + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert " dtype=bf16 (--dtype) steps=2->5 " in resumed.stdout
+    assert " dtype=bf16 (as given) steps=2->5 " in resumed.stdout
     assert metrics(out) == metrics(whole)
     assert all(torch.equal(final_weights(out)[k], v) for k, v in final_weights(whole).items())
