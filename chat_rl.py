@@ -258,7 +258,8 @@ def refill_round(setup, cfg, step, r, rank, world):
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own goes here and in
-    plumbing/flags.check_config's list of them."""
+    plumbing/flags.check_config's list of them. Two callers: train() for the step's groups and
+    with_refills for each --refill round's, so a change to what it is given goes in both."""
     if kind not in ("mean", "zscore"):
         raise ValueError(f"unknown advantage {kind!r}")
     r = rewards.view(-1, num_samples)
