@@ -257,15 +257,16 @@ def refill_round(setup, cfg, step, r, rank, world):
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
-    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own goes here and in
-    plumbing/flags.check_config's list of them. Two callers: train() for the step's groups and
-    with_refills for each --refill round's, so a change to what it is given goes in both."""
-    if kind not in ("mean", "zscore"):
-        raise ValueError(f"unknown advantage {kind!r}")
+    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
+    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). Two callers: train() for
+    the step's groups and with_refills for each --refill round's, so a change to what it is given
+    goes in both."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
+    elif kind != "mean":  # a kind the flag accepts but no branch computes: refused, not "mean"
+        raise ValueError(f"unknown advantage {kind!r}")
     # a group of equal rewards has no signal; its float mean can be off by a rounding error (the
     # mean of 16 x 0.1 is not exactly 0.1), so zero it exactly: that lets the loss skip the group
     unanimous = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)

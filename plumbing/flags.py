@@ -204,6 +204,10 @@ def print_help(hyperparameters, presets, doc):
                 print(f"  {'':<{width}} {values[name]!r:<28} with --preset={preset}")
 
 
+# --advantage's kinds, each a branch of chat_rl.compute_advantages: the one list of them
+ADVANTAGES = ("mean", "zscore")
+
+
 def check_config(cfg, world_size):
     """Impossible or nonsensical settings, each refused with its reason."""
     for name in (
@@ -292,9 +296,9 @@ def check_config(cfg, world_size):
             "all_tokens counts the dropped groups too"
         )
     loss_norms = ("kept_tokens", "all_tokens", "sequence")
-    if cfg.advantage not in ("mean", "zscore") or cfg.loss_norm not in loss_norms:
+    if cfg.advantage not in ADVANTAGES or cfg.loss_norm not in loss_norms:
         raise ConfigError(
-            "--advantage is mean | zscore and --loss-norm is kept_tokens | all_tokens | sequence"
+            f"--advantage is {' | '.join(ADVANTAGES)} and --loss-norm is {' | '.join(loss_norms)}"
         )
     check_objective(cfg)
     check_model_path(cfg.model)
