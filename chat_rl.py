@@ -212,7 +212,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
-    keys = "sequences masks logprobs answer format total tokens completions truncated"
+    keys = "sequences masks sampler_logp answer format total tokens completions truncated"
     out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
     calls, quiet = range(0, len(prompts), per_call), None if progress else True
     for first in tqdm(calls, desc=progress, unit="call", leave=False, disable=quiet):
@@ -222,7 +222,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
                                   temperature, top_k, include_stop=True, seed=seeds)  # fmt: skip
         for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: per sample
             out[key] += getattr(samples, key)
-        out["logprobs"] += samples.logprobs or [None] * len(samples.sequences)  # None: not kept
+        out["sampler_logp"] += samples.logprobs or [None] * len(samples.sequences)  # None: not kept
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1), the tool's results among them (0)
         completion_ids = seq[len(prompts[i // num_samples]) :]
@@ -232,7 +232,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["reward_errors"].append(terms.get("error"))  # a user's reward that raised, or None
-        out["tokens"].append(len(completion_ids))
+        out["tokens"].append(len(completion_ids))  # the reply's length, tool results in it; the
+        # loss counts the sampled ones alone (fast/logprobs.sampled_tokens)
         out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
         # the budget ran out before a stop token (a completion that stopped ends with one)
@@ -432,7 +433,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
     # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
-    # makes the head's gradients in the forward pass, and again should the guess miss
+    # makes the head's gradients in the forward pass, and again should the guess miss. So
+    # objective() runs twice a pass, on a stand-in for logp and on logp: keep it a pure function
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     # one autocast block over every pass: each weight is cast to bf16 once for all of them
     # (autocast keeps its casts until its outermost block ends), not once a pass
@@ -569,7 +571,7 @@ def train(cfg, rank, world, device):
         # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
         # their means over ranks go in the train row as they are, not per token like stats
         step_values = {}
-        sequences, masks, sampler_logp = out["sequences"], out["masks"], out["logprobs"]
+        sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])
         if trains is not None:  # --refill: the chosen groups alone train

@@ -27,7 +27,7 @@ def group_out(rewards):
     """rollout()'s dict for groups of S completions with these rewards (a list per group)."""
     total = [float(r) for group in rewards for r in group]
     n = len(total)
-    out = {key: [None] * n for key in ("sequences", "masks", "logprobs", "completions")}
+    out = {key: [None] * n for key in ("sequences", "masks", "sampler_logp", "completions")}
     out.update(total=total, answer=total, format=[0.0] * n, tokens=[1] * n)
     for key in ("truncated", "tool_calls", "tool_errors", "tool_use", "reward_errors"):
         out[key] = [0] * n
