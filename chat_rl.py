@@ -165,6 +165,8 @@ HYPERPARAMETERS = dict(
     system_prompt=("", "a system turn before every prompt (chat template)"),
     # the built-in tasks' own options
     gsm8k_answer=("hash", "--task=gsm8k's rule: hash (the first '#### n') | last-number"),
+    mental_digits=(1, "--task=mental's operands: 1 (1 to 10), 2 (10 to 99) or 3 (100 to 999)"),
+    mental_ops=("+-x", "--task=mental's operations: some of + - x (x alone: products only)"),
     rg_config=("", "--task=rg:<dataset>: reasoning-gym's options, JSON or a .json file"),
     rg_train_size=(1000, "--task=rg:<dataset>: training rows generated (held-out ones dropped)"),
 )

@@ -24,7 +24,7 @@ import torch
 
 from plumbing.distributed import cpu_bf16_units, setup_distributed
 from policy import hf_folder, lora
-from tasks import generic, gsm8k, rg
+from tasks import generic, gsm8k, mental, rg
 from tasks.common import get_task
 
 
@@ -364,7 +364,13 @@ def check_objective(cfg):
 
 def check_task_options(cfg):
     """The options of one built-in task, refused with any other: --rg-config and --rg-train-size
-    (--task=rg:<dataset>), --gsm8k-answer (--task=gsm8k)."""
+    (--task=rg:<dataset>), --gsm8k-answer (--task=gsm8k), --mental-digits and --mental-ops."""
+    if cfg.task != "mental":
+        for name, default in (("mental_digits", 1), ("mental_ops", "+-x")):
+            if getattr(cfg, name) != default:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} is for --task=mental, not --task={cfg.task}"
+                )
     if not cfg.task.startswith("rg:"):
         for name, default in (("rg_config", ""), ("rg_train_size", rg.TRAIN_SIZE)):
             if getattr(cfg, name) != default:
@@ -402,6 +408,8 @@ def load_task(cfg):
             return rg.make(
                 cfg.task[3:], cfg.rg_config, cfg.rg_train_size, cfg.eval_examples, cfg.seed
             )
+        if cfg.task == "mental" and (cfg.mental_digits, cfg.mental_ops) != (1, "+-x"):
+            return mental.make(cfg.mental_digits, cfg.mental_ops)  # a harder ladder's rung
         if cfg.task == "gsm8k" and cfg.gsm8k_answer == "last-number":
             return gsm8k.last_number_task()
         return get_task(cfg.task)
