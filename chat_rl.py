@@ -29,7 +29,8 @@ GPU; a laptop has one).
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
      does not model: keep 0). N_i (--loss-norm) is counted on all ranks; C is the step's
-     completions, unanimous and cut-off ones included:
+     completions, unanimous and cut-off ones included (--refill's step is the groups it chose:
+     there all_tokens is kept_tokens):
          all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
          kept_tokens            N_i = sum_{j in kept groups} |S_j|
          sequence               N_i = C * max(1, |S_i|)          a mean per completion, then of C
@@ -311,7 +312,9 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy bonus,
     GSPO's ratio, ...). Every (B, T) tensor is laid out as fast/logprobs.make_batch lays out the
-    targets: column t holds token t + 1 of a row (B rows, T the longest row's length - 1).
+    targets: column t holds token t + 1 of a row (B rows, T the longest row's length - 1): a row
+    p0 p1 c0 c1 (prompt p, completion c) has targets -1 c0 c1, sampled F T T, and logp[i, 1] is
+    log p(c0 | p0 p1); a per-token term from a mask or sequence index t reads column t - 1.
     logp (B, T): the policy's log-probs of the rows' tokens, 0 where not sampled.
     batch: advantages, per row (B,) or per token (B, T); normaliser N_i (B,); sampled (B, T) bool (a
     row may sample none: --mask-truncated); OFF's flags; ref_logp (B, T), the reference's

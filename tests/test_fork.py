@@ -202,14 +202,14 @@ def test_on_two_ranks_per_token_advantages_sum_to_one_process_over_every_row(tmp
 # ---- one list of advantage kinds -----------------------------------------------------------------
 def test_an_advantage_kind_is_named_once_and_a_named_kind_without_a_branch_is_refused(monkeypatch):
     # flags.ADVANTAGES is what --advantage accepts: a fork's new name there passes the start check
-    monkeypatch.setattr(flags, "ADVANTAGES", (*flags.ADVANTAGES, "leave_one_out"))
+    monkeypatch.setattr(flags, "ADVANTAGES", (*flags.ADVANTAGES, "my_new_kind"))
     cfg = flags.parse_config(
-        ["--preset=demo", "--advantage=leave_one_out"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
+        ["--preset=demo", "--advantage=my_new_kind"], chat_rl.HYPERPARAMETERS, chat_rl.PRESETS
     )
     flags.check_config(cfg, world_size=1)
     # ... and until compute_advantages has its branch, the kind is refused, not taken for "mean"
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    with pytest.raises(ValueError, match="unknown advantage 'leave_one_out'"):
-        chat_rl.compute_advantages(rewards, num_samples=2, kind="leave_one_out")
+    with pytest.raises(ValueError, match="unknown advantage 'my_new_kind'"):
+        chat_rl.compute_advantages(rewards, num_samples=2, kind="my_new_kind")
     for kind in flags.ADVANTAGES[:-1]:  # every kind the flag accepts by default has its branch
         chat_rl.compute_advantages(rewards, num_samples=2, kind=kind)
