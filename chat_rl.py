@@ -15,14 +15,15 @@ GPU; a laptop has one).
      of its own (the same on 1 rank or 8); the stop token is sampled and trained like any other.
      A calculator call such as `<<48/2=` gets its result `24>>` written in (--tool). A mask marks
      each token of a sequence: 1 if the policy sampled it, 0 for the prompt and tool results.
-  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format. answer is 1 if the
+  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format, plus
+     --overlong-buffer's length penalty (overlong_penalty: DAPO's). answer is 1 if the
      verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0:
      a completion cut off before its answer scores 0 (your own --reward: the number it returns;
      --mask-truncated keeps cut-off ones out of the loss). format is 1 for the answer given
      once, in the task's form, at the end. A reward that raises an exception scores 0.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0: no gradient, so its rows skip the training passes (the default
-     N_i below still counts their tokens).
+     scored the same has A = 0: no gradient, so its rows skip the training passes (unless
+     --kl-beta, whose term every row has; the default N_i below still counts their tokens).
   5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
@@ -127,7 +128,9 @@ HYPERPARAMETERS = dict(
     rollout_correction=("none", "none | tis | mis: the sampler's rounding corrected (README)"),
     rollout_cap=(2.0, "--rollout-correction's bound on p_trainer / p_sampler (TRL's 2)"),
     logprobs=("fast", "the loss's log-probs: fast | plain (all logits at once)"),
+    # rewards: terms added in rollout(), before the advantages (the objective never sees them)
     format_weight=(0.0, "reward = answer + format_weight * format; 0 = answer only"),
+    overlong_buffer=(0, "DAPO's soft overlong reward: the last N of max_new_tokens cost 0 -> 1"),
     # optimisation
     num_epochs=(1, "passes over the training problems (when num_steps is -1)"),
     num_steps=(-1, "optimizer steps; -1 = derived from num_epochs"),
@@ -204,18 +207,20 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed,
             format_weight=0.0, generate_batch_rows=256, progress="", problem_ids=None,
-            system_prompt=""):  # fmt: skip
+            system_prompt="", overlong_buffer=0):  # fmt: skip
     """Sample num_samples completions of each problem and score them: a dict of per-completion
     lists in problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes
     generate_batch_rows // num_samples problems (one at least). A problem's samples draw from a
     random stream seeded by seed and its id (its place in the step or the eval set): ranks and
-    batching change none."""
+    batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
+    only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train(),
+    refill_round() and plumbing/evaluation.py; an argument of your own goes to each."""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
     per_call = max(1, generate_batch_rows // num_samples)  # prompts per engine call
     problem_ids = list(range(len(problems)) if problem_ids is None else problem_ids)
-    keys = "sequences masks sampler_logp answer format total tokens completions truncated"
+    keys = "sequences masks sampler_logp answer format overlong total tokens completions truncated"
     out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
     calls, quiet = range(0, len(prompts), per_call), None if progress else True
     for first in tqdm(calls, desc=progress, unit="call", leave=False, disable=quiet):
@@ -232,8 +237,13 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
         text = tokenizer.decode(completion_ids)  # special tokens (the stop token) dropped
         row = problems[i // num_samples]
         terms = reward_terms(task, text, task.reference(row), format_weight, row=row)
+        # --overlong-buffer: the reply's length as max_new_tokens counts it (tool results and
+        # the stop token in it), so a cut-off reply, len == max_new_tokens, pays the full -1
+        overlong = overlong_penalty(len(completion_ids), max_new_tokens, overlong_buffer)
+        terms = {**terms, "total": terms["total"] + overlong}  # off: + 0.0, the same number
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
+        out["overlong"].append(overlong)
         out["reward_errors"].append(terms.get("error"))  # a user's reward that raised, or None
         out["tokens"].append(len(completion_ids))  # the reply's length, tool results in it; the
         # loss counts the sampled ones alone (fast/logprobs.sampled_tokens)
@@ -246,6 +256,15 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     return out
 
 
+def overlong_penalty(length, max_new_tokens, buffer):
+    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), a reward term of a completion
+    of `length` tokens: 0 up to max_new_tokens - buffer, then falling linearly to -1 at
+    max_new_tokens: ((max_new_tokens - buffer) - length) / buffer. buffer 0: off, always 0."""
+    if buffer <= 0 or length <= max_new_tokens - buffer:
+        return 0.0
+    return ((max_new_tokens - buffer) - length) / buffer
+
+
 def refill_round(setup, cfg, step, r, rank, world):
     """--refill's round r of a step on this rank: its problems (plumbing/data.refill_problems),
     sampled from seeds of their own and scored, as rollout() returns them."""
@@ -255,7 +274,8 @@ def refill_round(setup, cfg, step, r, rank, world):
     return rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
                    cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step, "refill", r),
                    cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
-                   system_prompt=cfg.system_prompt)  # fmt: skip
+                   system_prompt=cfg.system_prompt,
+                   overlong_buffer=cfg.overlong_buffer)  # fmt: skip
 
 
 # ---- 4. advantages -------------------------------------------------------------------------------
@@ -554,7 +574,8 @@ def train(cfg, rank, world, device):
             out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
                           cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
                           cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
-                          system_prompt=cfg.system_prompt)  # fmt: skip
+                          system_prompt=cfg.system_prompt,
+                          overlong_buffer=cfg.overlong_buffer)  # fmt: skip
         t_rollout = time.time() - t0
         if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
             break
@@ -576,6 +597,8 @@ def train(cfg, rank, world, device):
         # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
         # their means over ranks go in the train row as they are, not per token like stats
         step_values = {}
+        if cfg.overlong_buffer > 0:  # its share of `reward`, every completion the step sampled
+            step_values["reward_overlong"] = sum(out["overlong"]) / len(out["overlong"])
         sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
         if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
             masks = without_truncated(masks, out["truncated"])

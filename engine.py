@@ -442,8 +442,9 @@ class Engine:
         include_stop=False,
     ):
         """
-        prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls,
-        tool_errors), P * num_samples rows, prompt-major: generate_reference's for the same
+        prompts: list of P token-id lists -> Samples (sequences, masks, tool_calls, tool_errors,
+        logprobs: each sampled token's under the distribution it was drawn from, 0 at the others),
+        P * num_samples rows, prompt-major: generate_reference's for the same
         arguments. sequence = prompt + generated tokens (the stop token excluded, unless
         include_stop: RL wants it, since ending the answer is a choice the policy makes too);
         mask has 1 on sampled tokens and 0 on the prompt's and on those the tool forced (its

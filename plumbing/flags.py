@@ -230,6 +230,11 @@ def check_config(cfg, world_size):
             )
     if cfg.refill < 0:
         raise ConfigError(f"--refill must be >= 0 (0 = off), got {cfg.refill}")
+    if not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
+        raise ConfigError(
+            f"--overlong-buffer must be in [0, --max-new-tokens={cfg.max_new_tokens}] (0 = off), "
+            f"got {cfg.overlong_buffer}"
+        )
     for name in ("eval_every", "save_every", "num_steps"):
         value = getattr(cfg, name)
         if value == 0 or value < -1:

@@ -77,6 +77,8 @@ CASES = [
     (["--advantage=rank"], "--advantage is mean | zscore"),
     (["--device-type=tpu"], "unknown --device-type 'tpu'"),
     (["--device-batch-tokens=10"], "--device-batch-tokens=10 is below --max-new-tokens=768"),
+    (["--overlong-buffer=-1"], "--overlong-buffer must be in [0, --max-new-tokens=768]"),
+    (["--overlong-buffer=769"], "--overlong-buffer must be in [0, --max-new-tokens=768]"),
     (["--model=/no/such/folder"], "no such folder"),
     (["--model=./relative/missing"], "no such folder"),
 ]

@@ -125,3 +125,17 @@ def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
     first = run(tmp_path, flag, "--num-steps=1", "--eval-every=-1")[0][0]
     assert first["reward"] == train[0]["reward"] and first["kept_tokens"] == train[0]["kept_tokens"]
     assert first["loss"] != pytest.approx(train[0]["loss"], rel=1e-3)
+
+
+def test_the_overlong_buffer_reaches_the_reward_the_advantages_are_taken_from(demo_run, tmp_path):
+    # step 0 samples the same completions with the buffer on (same weights, same seeds): only
+    # their totals differ, by the penalty. (Not always the loss: a penalty equal across a group,
+    # its replies of one length, cancels in r - mean(r), as it does here at seed 0.)
+    _, train, _ = demo_run
+    assert all("reward_overlong" not in r for r in train)  # off: the row is the default run's
+    first = run(tmp_path, f"--overlong-buffer={MAX_NEW_TOKENS // 2}", "--num-steps=1",
+                "--eval-every=-1")[0][0]  # fmt: skip
+    assert first["seq_len"] == train[0]["seq_len"]
+    assert first["reward_answer"] == train[0]["reward_answer"]
+    assert first["reward_overlong"] < 0, "no reply reached the buffer: nothing to see"
+    assert first["reward"] == pytest.approx(train[0]["reward"] + first["reward_overlong"])
