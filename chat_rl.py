@@ -2,8 +2,14 @@
 chat_rl trains a chat model on verifiable math with the plain policy gradient (REINFORCE).
 
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
-beat their group's average get their log-probability raised, the others lowered. Read this file
-top to bottom; for sampling, engine.generate_reference, the plain sampler.
+beat their group's average get their log-probability raised, the others lowered.
+
+Reading it: the step below, then rollout() (sampling, scoring), compute_advantages(), objective()
+with normaliser() (the loss), policy_gradient_backward() (the loss over micro-batches) and
+train()'s loop; for sampling, engine.generate_reference, the plain sampler, and for the log-probs
+fast/logprobs.plain_logprobs. The fast paths beside them (engine.Engine, fast/) can be taken on
+trust: tests hold each to its plain twin, --logprobs=plain trains with the plain one, and the fast
+log-probs check the gradient they send against objective()'s own (README: the objective).
 
 One optimizer step, as train() runs it. A "rank" is one process of a torchrun launch (one per
 GPU; a laptop has one).
