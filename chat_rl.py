@@ -6,7 +6,8 @@ beat their group's average get their log-probability raised, the others lowered.
 
 Reading it: the step below, then rollout() (sampling, scoring), compute_advantages(), objective()
 with normaliser() (the loss), policy_gradient_backward() (the loss over micro-batches) and
-train()'s loop; for sampling, engine.generate_reference, the plain sampler, and for the log-probs
+train()'s loop. rollout() samples with the fast engine.Engine, which draws token for token what
+engine.generate_reference, the plain sampler, draws: read that one; for the log-probs,
 fast/logprobs.plain_logprobs. The fast paths beside them (engine.Engine, fast/) can be taken on
 trust: tests hold each to its plain twin, --logprobs=plain trains with the plain one, and the fast
 log-probs check the gradient they send against objective()'s own (README: the objective).
@@ -587,6 +588,7 @@ def train(cfg, rank, world, device):
             break
         if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
             break
+        # 4. r - mean(r) within each group; --refill samples more groups while too few have signal
         advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
         trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
         if cfg.refill:

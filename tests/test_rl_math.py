@@ -33,7 +33,7 @@ def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_s
     return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 
 
-def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="kept_tokens"):
+def backward(model, advantages, num_samples=2, device_batch_size=8, loss_norm="all_tokens"):
     return chat_rl.policy_gradient_backward(
         model,
         SEQS,
@@ -76,17 +76,27 @@ def test_a_group_of_equal_rewards_gets_advantage_exactly_zero_whatever_their_val
 
 
 def test_loss_equals_hand_computed_value():
-    # group 0 rewards [1, 0] -> advantages [+0.5, -0.5]; group 1 rewards [1, 1] -> [0, 0], skipped.
-    # valid completion tokens of the step's kept rows: 3 + 2 = 5 (group 1's rows carry no gradient)
-    # loss = -(sum logp * adv) / 5 with logp = -w * token:
-    #      = -(0.5 * -(1 + 2 + 3) + -0.5 * -(4 + 5)) / 5 = -(-3 + 4.5) / 5 = -0.3
+    # the run's default, all_tokens. group 0 rewards [1, 0] -> advantages [+0.5, -0.5]; group 1
+    # rewards [1, 1] -> [0, 0]: its rows skip the passes, but their tokens still count in N.
+    # N = every sampled token of the step: 3 + 2 + 1 + 1 = 7; with logp = -w * token,
+    # loss = -(0.5 * -(1 + 2 + 3) + -0.5 * -(4 + 5)) / 7 = -(-3 + 4.5) / 7 = -1.5 / 7
+    assert chat_rl.HYPERPARAMETERS["loss_norm"][0] == "all_tokens"
     model = LinearNLLModel()
     adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), num_samples=2)
-    loss, tokens = backward(model, adv)
-    assert tokens == 5
-    assert loss.item() == pytest.approx(-0.3)
-    # d loss / d w = -(0.5 * -6 + -0.5 * -9) / 5 = -0.3 as well (loss is linear in w, w = 1)
-    assert model.w.grad.item() == pytest.approx(-0.3)
+    loss, kept_tokens = backward(model, adv)
+    assert kept_tokens == 5  # the rows that trained (the logged kept_tokens), not N
+    assert loss.item() == pytest.approx(-1.5 / 7)
+    # d loss / d w = -(0.5 * -6 + -0.5 * -9) / 7 as well (loss is linear in w, w = 1)
+    assert model.w.grad.item() == pytest.approx(-1.5 / 7)
+
+
+def test_kept_tokens_normalisation_counts_only_the_groups_with_signal():
+    # DAPO's: the same step, N = group 0's tokens alone, 3 + 2 = 5
+    model = LinearNLLModel()
+    adv = chat_rl.compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), num_samples=2)
+    loss, _ = backward(model, adv, loss_norm="kept_tokens")
+    assert loss.item() == pytest.approx(-1.5 / 5)
+    assert model.w.grad.item() == pytest.approx(-1.5 / 5)
 
 
 def test_sequence_normalisation_averages_each_completion_first():
