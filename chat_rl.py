@@ -31,17 +31,19 @@ GPU; a laptop has one).
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
      scored the same has A = 0: no gradient, so its rows skip the training passes (unless
      --kl-beta, whose term every row has; the default N_i below still counts their tokens).
-  5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's
+  5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's C
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
-     does not model: keep 0). N_i (--loss-norm) is counted on all ranks; C is the step's
-     completions, unanimous and cut-off ones included (--refill's step is the groups it chose:
-     there all_tokens is kept_tokens):
-         all_tokens (default)   N_i = sum_j |S_j|                every sampled token of the step
-         kept_tokens            N_i = sum_{j in kept groups} |S_j|
-         sequence               N_i = C * max(1, |S_i|)          a mean per completion, then of C
+     does not model: keep 0). N_i (--loss-norm), counted on all ranks:
+         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
+         kept_tokens            N_i = sum_{j in kept groups} |S_j|  the groups with signal only
+         sequence               N_i = C * max(1, |S_i|)             a mean per completion, then of C
+     For two groups of two whose completions sampled 3, 4 and 2, 5 tokens, the second group
+     unanimous: all_tokens N = 14, kept_tokens N = 7, sequence N_i = 4 * |S_i|. C and all_tokens
+     count unanimous and cut-off completions too; a --refill step is the groups it chose, so there
+     all_tokens is kept_tokens.
   6. Update. Gradients are summed over ranks (not averaged: N_i counts every rank's tokens), their
      norm clipped (--grad-clip), and AdamW steps, unless the loss or the gradient is not finite or
      no row was kept (rows_with_gradient). The lr falls linearly: step s uses lr x (1 - s /
@@ -295,7 +297,7 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
-        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # torch's std: n - 1, as TRL's GRPO
     elif kind != "mean":  # a kind the flag accepts but no branch computes: refused, not "mean"
         raise ValueError(f"unknown advantage {kind!r}")
     # a group of equal rewards has no signal; its float mean can be off by a rounding error (the
@@ -544,8 +546,15 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7, every rank in lockstep. Step s sees the weights after s updates: num_steps=2,
-    eval_every=1 runs eval 0, update 0, eval 1, update 1, eval 2, and saves step_000002."""
+    """Steps 1-7, every rank in lockstep. Without evals, stops, resume, --refill and the log, a
+    step is these five lines; the rest of the loop is what a real run needs around them:
+        problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
+        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
+        advantages = compute_advantages(torch.tensor(out["total"]), num_samples)         # 4
+        policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
+        sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6
+    Step s sees the weights after s updates: num_steps=2, eval_every=1 runs eval 0, update 0,
+    eval 1, update 1, eval 2, and saves step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
     stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
     # plumbing/start.py: the rows, the resume point, the policy with its Engine and AdamW, the log

@@ -42,6 +42,8 @@ def evaluate(rollout, engine, task, problems, k, max_new_tokens, rank, world, de
         common = dict(seed=seed, generate_batch_rows=generate_batch_rows, problem_ids=ids,
                       system_prompt=system_prompt, top_k=0)  # fmt: skip
         with stop.abandonable(engine.model):  # a stop signal leaves the sampling at once
+            # temperature 1 whatever --temperature trains at: pass@k of the model's own
+            # distribution, comparable across runs
             out = rollout(engine, task, mine, k, max_new_tokens, temperature=1.0,
                           progress=label, **common)  # fmt: skip
             greedy = rollout(engine, task, mine, 1, max_new_tokens, temperature=0.0,
