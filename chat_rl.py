@@ -450,11 +450,16 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
                              saved=None, stats=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
-    sum to L however the step is split. advantages: (rows,), or (rows, T) per token (objective's
-    layout over all the rows); options: OFF's flags; reference: opens a block yielding the frozen
-    start (--kl-beta); sampler_logp: each row's log-probs as the engine drew it (Samples.logprobs;
-    None: no gap, no correction); saved: rows' log-probs across epochs; stats: objective()'s,
-    summed; gaps: a list the first epoch's passes append their sampler_gap to."""
+    sum to L however the step is split. Without micro-batches, the fast path and the options, it is
+        inputs, targets = make_batch(sequences, masks, device)  # targets -1: not sampled
+        logp = plain_logprobs(model, inputs, targets, temperature)  # (rows, T)
+        loss = -(advantages[:, None] * logp).sum(dim=1) / N  # then summed over rows
+        loss.sum().backward()
+    advantages: (rows,), or (rows, T) per token (objective's layout over all the rows); options:
+    OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each
+    row's log-probs as the engine drew it (Samples.logprobs; None: no gap, no correction); saved:
+    rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list the first epoch's
+    passes append their sampler_gap to."""
     tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
