@@ -60,9 +60,10 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      brings them back: two updates a rollout, the second clipped; clip_frac counts clipped tokens.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
-  4. Token-level normalisation (all_tokens, TRL's "dapo"): every token weighs the same whatever
-     its completion's length, and steps shrink as groups turn unanimous (less left to learn).
-     kept_tokens (DAPO's) keeps their size; sequence is GRPO's (all C). --refill is DAPO's
+  4. Token-level normalisation (all_tokens, what TRL names loss_type="dapo"): every token weighs
+     the same whatever its completion's length, and steps shrink as groups turn unanimous (less
+     left to learn). kept_tokens counts only the groups with signal, as the DAPO paper's filtered
+     batches do, and keeps the steps' size; sequence is GRPO's (all C). --refill is DAPO's
      dynamic sampling: more problems sampled until the step's groups all carry signal.
 
 Run it:
@@ -121,7 +122,7 @@ HYPERPARAMETERS = dict(
     examples_per_step=(16, "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=(16, "completions sampled per problem (the group)"),
     max_new_tokens=(768, "completion budget; a reply cut off before its answer scores 0"),
-    temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss divides by it)"),
+    temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss's logits / it too)"),
     top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
     generate_batch_rows=(256, "most rows (prompts x samples) per engine call, >= one prompt's"),
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
@@ -239,7 +240,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
                                   temperature, top_k, include_stop=True, seed=seeds)  # fmt: skip
         for key in ("sequences", "masks", "tool_calls", "tool_errors"):  # tool_calls: per sample
             out[key] += getattr(samples, key)
-        out["sampler_logp"] += samples.logprobs or [None] * len(samples.sequences)  # None: not kept
+        # None: a stand-in engine without them (both of engine.py's samplers keep them)
+        out["sampler_logp"] += samples.logprobs or [None] * len(samples.sequences)
     for i, seq in enumerate(out["sequences"]):
         # what follows the prompt: the policy's tokens (mask 1), the tool's results among them (0)
         completion_ids = seq[len(prompts[i // num_samples]) :]
@@ -551,11 +553,11 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7, every rank in lockstep. Without evals, stops, resume, --refill and the log, a
-    step is these five lines; the rest of the loop is what a real run needs around them:
+    """Steps 1-7, every rank in lockstep. Without evals, stops, resume, --refill, --mask-truncated
+    and the log, a step is these five lines; the rest of the loop is what a real run needs:
         problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
         out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
-        advantages = compute_advantages(torch.tensor(out["total"]), num_samples)         # 4
+        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind) # 4
         policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
         sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6
     Step s sees the weights after s updates: num_steps=2, eval_every=1 runs eval 0, update 0,

@@ -58,7 +58,8 @@ def targets_of(sequence, mask):
 
 
 def sampled_tokens(mask):
-    """|S_i|, the row's tokens the loss trains: its targets_of that are not -1."""
+    """|S_i|, the row's tokens the loss trains: its targets_of that are not -1 (mask[1:]: a row's
+    first token has nothing before it to predict it, and is always the prompt's)."""
     return sum(mask[1:])
 
 
