@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -54,7 +55,8 @@ from policy.hf_folder import write_config
 
 def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
     """The policy as the run trains it: whole on `device`, or sharded over the ranks (fsdp=True;
-    the model comes in on the CPU and each unit moves to `device` as it is sharded).
+    the model comes in on the CPU on rank 0, on the CPU or the meta device on the others, and each
+    unit moves to `device` as it is sharded, its values rank 0's).
     activation_checkpointing: recompute each decoder layer in the backward pass
     (gpt.GPT.forward). dtype: what a sharded model gathers its weights in and computes in (None:
     distributed.compute_dtype, bf16 on CUDA)."""
@@ -67,6 +69,10 @@ def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
     # (CUDA's view_as_complex refuses bf16, and bf16 cos/sin would blur positions); the weights are
     # bf16 and autocast casts the rest
     dtype = dtype or compute_dtype(device)
+    # the weights every rank starts from are rank 0's: its whole model's tensors, kept here before
+    # sharding frees them, are sent to every rank's shards below (start.py builds the others' on
+    # the meta device)
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
     policy = MixedPrecisionPolicy()
     if dtype != torch.float32:
         policy = MixedPrecisionPolicy(
@@ -88,6 +94,12 @@ def prepare(model, device, fsdp, activation_checkpointing, dtype=None):
         # 1.0, which is exact
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)  # room for the shards, filled from rank 0 next
+        model.init_rope(device)
+    # one tensor at a time: rank 0 broadcasts it whole, each rank keeps its own shard of it
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole, options=options)
     return model
 
 

@@ -41,9 +41,12 @@ def start(cfg, rank, world, device):
     # a GPU that cannot hold even the weights, gradients and AdamW state is refused now, in one
     # line, before the weights are read onto it (plumbing/memory.py)
     memory.check_state_fits(cfg, world, device)
-    # with --lora-rank, adapters; under --fsdp the whole model is only ever on the CPU: each unit
-    # moves to the device as it is sharded
-    model, tokenizer = checkpoint.build_policy(cfg, state, "cpu" if cfg.fsdp else device, dtype)
+    # with --lora-rank, adapters. Under --fsdp the whole model is only ever in rank 0's host memory
+    # (8 ranks each reading a 7B model in fp32 would take 8 x 30 GB of a node's): the other ranks
+    # build it on the meta device, nothing allocated, and rank 0 sends each its shards
+    # (fsdp.prepare); each unit moves to the device as it is sharded
+    where = device if not cfg.fsdp else torch.device("cpu" if rank == 0 else "meta")
+    model, tokenizer = checkpoint.build_policy(cfg, state, where, dtype)
     model = fsdp.prepare(model, device, cfg.fsdp, cfg.activation_checkpointing, dtype)
     engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
     peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr

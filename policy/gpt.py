@@ -282,6 +282,11 @@ class GPT(nn.Module):
         # activation checkpointing (--activation-checkpointing): see hidden_states
         self.checkpoint_layers = False
 
+    def init_rope(self, device):
+        """RoPE's inverse frequencies, the one buffer: no checkpoint holds it, so a model built on
+        the meta device (from_pretrained; under --fsdp every rank but the first) computes it."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+
     def init_weights(self, seed=0):
         """Random init for models trained from scratch (the demo); real checkpoints overwrite it."""
         gen = torch.Generator().manual_seed(seed)
@@ -458,7 +463,7 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:
             # the tie broke when embed_tokens was replaced
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(config).to(device)
+        model.init_rope(device)
         return model
 
     def save_pretrained(self, path):

@@ -302,6 +302,50 @@ def test_activation_checkpointing_stays_off_outside_training():
         assert torch.equal(model(idx), GPT(GPTConfig(**CONFIG)).init_weights(0)(idx))
 
 
+# ---- start(): the policy each rank builds under --fsdp -------------------------------------------
+def _start_worker(rank, world, init_file, out_dir):
+    """plumbing/start.start under --fsdp on two gloo ranks, the demo model: the parameter bytes
+    each rank held in host memory before sharding (fsdp.prepare's input), and its weights after."""
+    from plumbing import start
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    held, prepare = [], fsdp.prepare
+
+    def counting(model, *args, **kwargs):
+        held.append(sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
+        return prepare(model, *args, **kwargs)
+
+    fsdp.prepare = counting
+    argv = [*ARGS, "--fsdp", f"--out-dir={os.path.join(out_dir, 'run')}"]
+    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+    flags.check_config(cfg, world)
+    model = start.start(cfg, rank, world, torch.device("cpu")).model
+    weights = full({n: p.detach() for n, p in model.named_parameters()})
+    out = dict(held=held, weights=weights, inv_freq=model.inv_freq.clone())
+    torch.save(out, os.path.join(out_dir, f"start{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_under_fsdp_only_rank_0_holds_the_whole_model_and_every_rank_starts_from_its_weights(
+    tmp_path,
+):
+    mp.start_processes(
+        _start_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"start{r}.pt", weights_only=False) for r in range(2)]
+    demo, _ = checkpoint.load_policy("demo_model", "cpu")
+    whole = sum(p.numel() * p.element_size() for p in demo.parameters())
+    # 8 ranks of a 7B model would each read 30 GB into the node's memory; rank 1 reads nothing
+    assert [r["held"] for r in ranks] == [[whole], [0]]
+    for r in ranks:
+        assert r["weights"].keys() == dict(demo.named_parameters()).keys()
+        for name, p in demo.named_parameters():
+            assert torch.equal(r["weights"][name], p.detach()), name
+        assert torch.equal(r["inv_freq"], demo.inv_freq)
+
+
 # ---- whole runs: torchrun, 2 CPU ranks, the demo model (its groups disagree: each step trains) ---
 # wall-clock, the only values allowed to differ
 TIMING_KEYS = {"rollout_tokens_per_s", "step_time_s", "eval_time_s"}
