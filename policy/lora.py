@@ -306,8 +306,10 @@ def load_adapter(model, path):
 
 def merge_adapters(model):
     """Fold the adapters into the base weights, in fp32, and remove them: a plain, trainable model
-    again (a full fine-tuning run that starts from base + adapter)."""
-    merged = merged_state_dict(model)
+    again (a full fine-tuning run that starts from base + adapter). On the meta device (under
+    --fsdp, every rank but the first) only the adapters go: the merged values come from rank 0."""
+    meta = next(model.parameters()).is_meta
+    merged = None if meta else merged_state_dict(model)
     for _, linear, _ in adapted_linears(model):
         if hasattr(linear, "lora"):
             linear.lora_hook.remove()
@@ -318,5 +320,6 @@ def merge_adapters(model):
         p.requires_grad_(True)
     with torch.no_grad():
         for name, p in model.hf_state_dict(keep_vars=True).items():
-            p.copy_(merged[name])
+            if not meta:
+                p.copy_(merged[name])
     return model

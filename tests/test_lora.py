@@ -198,6 +198,23 @@ def test_model_may_be_a_peft_folder_trained_on_or_merged_for_full_fine_tuning(tm
         build(adapter, lora_rank=8)
 
 
+def test_a_peft_folder_merged_on_the_meta_device_has_the_cpu_builds_parameters(tmp_path):
+    """Under --fsdp every rank but the first builds --model on the meta device and takes rank 0's
+    values (plumbing/start.py): a PEFT folder merged for full fine-tuning there must come out with
+    the same parameters as on the CPU, adapters merged away, nothing allocated."""
+    path, _ = base_folder(tmp_path, "llama")
+    model = with_trained_adapters(GPT.from_pretrained(path).eval())
+    adapter = str(save_checkpoint(model, tmp_path / "run", path) / "adapter")
+    cfg = SimpleNamespace(model=adapter, lora_rank=0, lora_alpha=32.0, lora_targets="all-linear")
+    built = {
+        where: checkpoint.build_policy(cfg, None, torch.device(where), torch.float32)[0]
+        for where in ("cpu", "meta")
+    }
+    cpu, meta = ([(n, p.shape, p.dtype) for n, p in built[w].named_parameters()] for w in built)
+    assert meta == cpu and not lora.has_adapters(built["meta"])
+    assert all(p.is_meta for p in built["meta"].parameters())
+
+
 def test_a_lora_run_trains_only_the_adapters_and_the_optimizer_holds_only_them(tmp_path):
     out = tmp_path / "run"
     assert (
