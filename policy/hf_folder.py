@@ -133,7 +133,7 @@ def read_weights(model, path, device, dtype, keep_fp32=()):
                 param = model.get_parameter(own)
                 expected = param.shape if rows is None else param[rows].shape
                 kind = torch.float32 if name in keep_fp32 else dtype
-                tensor = f.get_tensor(name).to(device=device, dtype=kind)
+                tensor = read_tensor(f, name, device, kind)
                 if tensor.shape != expected:
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} "
@@ -156,6 +156,16 @@ def read_weights(model, path, device, dtype, keep_fp32=()):
     missing = [name for name in layout if name not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def read_tensor(f, name, device, dtype):
+    """Tensor `name` of the open file f, converted to dtype (None: as stored) on device; on the
+    meta device (under --fsdp every rank but the first, whose values come from rank 0) its shape
+    and dtype alone: nothing is read."""
+    if torch.device(device).type == "meta":
+        part = f.get_slice(name)
+        return torch.empty(part.get_shape(), dtype=dtype or part[:0].dtype, device="meta")
+    return f.get_tensor(name).to(device=device, dtype=dtype)
 
 
 def write_weights(path, state):

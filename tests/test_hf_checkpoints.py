@@ -16,6 +16,7 @@ from safetensors import safe_open
 import chat_rl
 from engine import Engine
 from plumbing import checkpoint, flags
+from policy import hf_folder
 from policy.gpt import GPT, GPTConfig, config_from_hf
 from policy.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -105,6 +106,41 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     idx = torch.randint(0, VOCAB, (1, 16))
     with torch.no_grad():
         assert (model(idx) - hf(idx).logits).abs().max().item() < 1e-4
+
+
+class NoData:
+    """safe_open, but a tensor's data may not be read (names, shapes and empty slices may)."""
+
+    def __init__(self, *args, **kwargs):
+        self.f = safe_open(*args, **kwargs)
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_slice(self, name):
+        return self.f.get_slice(name)
+
+    def get_tensor(self, name):
+        raise AssertionError(f"{name}'s data was read")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, None], ids=["fp32", "as stored"])
+def test_on_the_meta_device_a_folder_is_read_for_its_shapes_only(tmp_path, monkeypatch, dtype):
+    # --fsdp's ranks past the first build --model on the meta device, their values from rank 0
+    path, _ = save_hf_model(tmp_path, "qwen3", max_shard_size="40KB")
+    on_cpu = GPT.from_pretrained(path, dtype=dtype)
+    monkeypatch.setattr(hf_folder, "safe_open", NoData)
+    on_meta = GPT.from_pretrained(path, device="meta", dtype=dtype)
+    layout = [(n, p.shape, p.dtype) for n, p in on_cpu.named_parameters()]
+    assert [(n, p.shape, p.dtype) for n, p in on_meta.named_parameters()] == layout
+    assert all(p.is_meta for p in on_meta.parameters())
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
