@@ -122,7 +122,7 @@ HYPERPARAMETERS = dict(
     examples_per_step=(16, "problems per optimizer step, across all ranks (a multiple of them)"),
     num_samples=(16, "completions sampled per problem (the group)"),
     max_new_tokens=(768, "completion budget; a reply cut off before its answer scores 0"),
-    temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss's logits / it too)"),
+    temperature=(1.0, "sampling temperature for rollouts, > 0 (the loss's log-probs use it too)"),
     top_k=(0, "top-k for rollouts; 0 = full distribution (the loss ignores the cut: keep 0)"),
     generate_batch_rows=(256, "most rows (prompts x samples) per engine call, >= one prompt's"),
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
@@ -557,7 +557,7 @@ def train(cfg, rank, world, device):
     and the log, a step is these five lines; the rest of the loop is what a real run needs:
         problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
         out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
-        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind) # 4
+        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind)  # 4
         policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
         sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6
     Step s sees the weights after s updates: num_steps=2, eval_every=1 runs eval 0, update 0,
