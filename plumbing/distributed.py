@@ -140,15 +140,47 @@ def is_sharded(model):
     return isinstance(model, FSDPModule)
 
 
-def sync_gradients(model):
+# Gradients are summed in buckets of about this many bytes: one collective a bucket instead of one a
+# parameter (a Qwen2.5-0.5B has 290, each a launch and a round trip on NCCL), for one bucket's copy
+# in memory. 25 MB is DDP's default bucket.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def sync_gradients(model, bucket_bytes=GRAD_BUCKET_BYTES):
     """Sum gradients over ranks (the loss is already divided by the step's global normaliser, so a
     sum is the gradient of the whole step). A rank that kept no rows has no .grad: it sends zeros.
-    A sharded model has nothing to do here: FSDP reduce-scattered the sums in the backward pass."""
+    A sharded model has nothing to do here: FSDP reduce-scattered the sums in the backward pass.
+    Without buckets it is: for each trained p, dist.all_reduce(p.grad); a bucket sums the same
+    numbers, each element with its own peers only."""
     if not dist.is_initialized() or is_sharded(model):
         return
+    grads = []
     for p in model.parameters():
         if not p.requires_grad:  # frozen (a LoRA run's base): no gradient to sum
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        grads.append(p.grad)
+    for bucket in buckets(grads, bucket_bytes):
+        if len(bucket) == 1:  # a tensor as large as a bucket is summed where it is
+            dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM)
+            continue
+        flat = torch.cat([g.flatten() for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(summed.view_as(g))
+
+
+def buckets(tensors, max_bytes):
+    """tensors, in order, as lists of one dtype and device of at most max_bytes together (a larger
+    tensor alone): the same lists on every rank, which hold the same parameters."""
+    out, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        same_kind = out and (out[-1][-1].dtype, out[-1][-1].device) == (t.dtype, t.device)
+        if not same_kind or size + nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out

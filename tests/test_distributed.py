@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import chat_rl
-from plumbing.distributed import sync_gradients
+from plumbing.distributed import buckets, sync_gradients
 from policy.gpt import GPT, GPTConfig
 
 NUM_SAMPLES, DEVICE_BATCH_SIZE = 2, 3
@@ -309,3 +309,77 @@ def test_eval_only_writes_one_eval_row_and_no_checkpoint_and_two_ranks_give_one_
         assert row.pop("eval_time_s") > 0  # its wall time, the one figure that may differ
     assert [r["split"] for r in rows["one"]] == ["eval"] and rows["one"] == rows["two"]
     assert not any(name.startswith("step_") for name in os.listdir(tmp_path / "one"))
+
+
+# sync_gradients sums in buckets: one collective for a small model's every gradient, and exactly
+# the sums a per-parameter all_reduce gives
+FROZEN, NO_GRAD_ON_RANK1 = (
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+)
+
+
+def gradient_for(rank, name, p):
+    seed = 1000 * rank + sum(map(ord, name))
+    return torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _bucket_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    calls, all_reduce = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    out = {}
+    for bucket_bytes in (None, 10_000):
+        model = model_for_test()
+        for name, p in model.named_parameters():
+            p.requires_grad_(name != FROZEN)
+            if p.requires_grad and not (rank == 1 and name == NO_GRAD_ON_RANK1):
+                p.grad = gradient_for(rank, name, p)
+        calls.clear()
+        sync_gradients(model) if bucket_bytes is None else sync_gradients(model, bucket_bytes)
+        out[bucket_bytes] = dict(
+            calls=list(calls), grads={n: p.grad for n, p in model.named_parameters()}
+        )
+    torch.save(out, os.path.join(out_dir, f"buckets{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_gradients_are_summed_in_buckets_to_the_per_parameter_sums(tmp_path):
+    mp.start_processes(
+        _bucket_worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    results = [torch.load(tmp_path / f"buckets{r}.pt") for r in range(2)]
+    model = model_for_test()
+    trained = [(n, p) for n, p in model.named_parameters() if n != FROZEN]
+    for bucket_bytes, calls in ((None, 1), (10_000, None)):
+        for r in range(2):
+            got = results[r][bucket_bytes]
+            if calls is not None:  # a small model's gradients all fit one 25 MB bucket
+                assert len(got["calls"]) == calls
+            else:  # small buckets: several collectives, fewer than one a parameter
+                assert 1 < len(got["calls"]) < len(trained)
+            assert sum(got["calls"]) == sum(p.numel() for _, p in trained)  # each element once
+            assert got["grads"][FROZEN] is None
+            for name, p in trained:
+                expected = gradient_for(0, name, p)
+                if name != NO_GRAD_ON_RANK1:  # a rank without a gradient sends zeros
+                    expected = expected + gradient_for(1, name, p)
+                assert torch.equal(got["grads"][name], expected), (bucket_bytes, r, name)
+
+
+def test_buckets_keep_order_dtype_and_size():
+    f32 = [torch.zeros(n) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
+    b16 = torch.zeros(4, dtype=torch.bfloat16)
+    got = buckets([*f32[:2], b16, *f32[2:]], max_bytes=100)
+    assert [[t.numel() for t in b] for b in got] == [[10, 10], [4], [30], [5]]
+    assert [t for b in got for t in b][2] is b16  # the tensors themselves, in order
