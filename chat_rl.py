@@ -4,9 +4,10 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step below, then rollout() (sampling, scoring), compute_advantages(), objective()
-with normaliser() (the loss), policy_gradient_backward() (the loss over micro-batches) and
-train()'s loop. rollout() samples with the fast engine.Engine, which draws token for token what
+Reading it: plain_step() first, steps 2-5 below in thirty lines of plain torch, to which
+tests/test_plain_step.py holds train()'s rewards and gradient; then rollout() (sampling,
+scoring), compute_advantages(), objective() with normaliser() (the loss),
+policy_gradient_backward() (the loss over micro-batches) and train()'s loop. rollout() samples with the fast engine.Engine, which draws token for token what
 engine.generate_reference, the plain sampler, draws: read that one; for the log-probs,
 fast/logprobs.plain_logprobs. The fast paths beside them (engine.Engine, fast/) can be taken on
 trust: tests hold each to its plain twin, --logprobs=plain trains with the plain one, and the fast
@@ -85,6 +86,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm
 
+from engine import generate_reference
 from fast.logprobs import (
     LOGPROBS,
     Guess,
@@ -92,6 +94,7 @@ from fast.logprobs import (
     fast_logprobs,
     make_batch,
     micro_batches,
+    plain_logprobs,
     sampled_tokens,
 )
 from plumbing import checkpoint, fsdp, metrics
@@ -212,6 +215,37 @@ OBJECTIVE_FLAGS = (
     "rollout_cap",
 )  # fmt: skip
 OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
+
+
+# ---- the step, plainly ---------------------------------------------------------------------------
+def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, temperature, seed,
+               tool=None):  # fmt: skip
+    """Steps 2-5 in plain torch, the whole algorithm on one rank at the defaults: add the gradient
+    of L to .grad, return (L, the rewards). train() computes the same with its fast paths (the
+    Engine's KV cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py
+    holds its rewards and gradient to this one's. Then step 6: optimizer_step."""
+    device = next(model.parameters()).device
+    prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
+    # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
+    # the model run over each whole row (no cache); mask 1 where the policy drew the token
+    seeds = [derive_seed(seed, i) for i in range(len(problems))]  # a random stream a problem
+    samples = generate_reference(model, tokenizer, prompts, num_samples, max_new_tokens,
+                                 temperature, seed=seeds, tool=tool, include_stop=True)  # fmt: skip
+    # 3. score each completion's text with the task's verifier
+    rewards = []
+    for i, sequence in enumerate(samples.sequences):
+        problem, prompt = problems[i // num_samples], prompts[i // num_samples]
+        text = tokenizer.decode(sequence[len(prompt) :])
+        rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
+    # 4. advantage: A_i = r_i - the mean reward of completion i's group
+    r = torch.tensor(rewards).view(-1, num_samples)
+    advantages = (r - r.mean(dim=1, keepdim=True)).view(-1).to(device)
+    # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
+    inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
+    logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
+    loss = -(advantages[:, None] * logp).sum() / (targets >= 0).sum()
+    loss.backward()
+    return loss.detach(), rewards
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
