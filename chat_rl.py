@@ -7,11 +7,12 @@ beat their group's average get their log-probability raised, the others lowered.
 Reading it: plain_step() first, steps 2-5 below in thirty lines of plain torch, to which
 tests/test_plain_step.py holds train()'s rewards and gradient; then rollout() (sampling,
 scoring), compute_advantages(), objective() with normaliser() (the loss),
-policy_gradient_backward() (the loss over micro-batches) and train()'s loop. rollout() samples with the fast engine.Engine, which draws token for token what
-engine.generate_reference, the plain sampler, draws: read that one; for the log-probs,
-fast/logprobs.plain_logprobs. The fast paths beside them (engine.Engine, fast/) can be taken on
-trust: tests hold each to its plain twin, --logprobs=plain trains with the plain one, and the fast
-log-probs check the gradient they send against objective()'s own (README: the objective).
+policy_gradient_backward() (the loss over micro-batches) and train()'s loop. rollout() samples
+with the fast engine.Engine, which draws token for token what engine.generate_reference, the
+plain sampler, draws: read that one; for the log-probs, fast/logprobs.plain_logprobs. The fast
+paths beside them (engine.Engine, fast/) can be taken on trust: tests hold each to its plain
+twin, --logprobs=plain trains with the plain one, and the fast log-probs check the gradient they
+send against objective()'s own (README: the objective).
 
 One optimizer step, as train() runs it. A "rank" is one process of a torchrun launch (one per
 GPU; a laptop has one).
@@ -220,7 +221,8 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 # ---- the step, plainly ---------------------------------------------------------------------------
 def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, temperature, seed,
                tool=None):  # fmt: skip
-    """Steps 2-5 in plain torch, the whole algorithm on one rank at the defaults: add the gradient
+    """Steps 2-5 in plain torch, the whole algorithm on one rank at the default flags (pass
+    tool=calculator.calculate for --tool's default; None samples without it): add the gradient
     of L to .grad, return (L, the rewards). train() computes the same with its fast paths (the
     Engine's KV cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py
     holds its rewards and gradient to this one's. Then step 6: optimizer_step."""
@@ -485,8 +487,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
                              # kept across --ppo-epochs: rows' log-probs, stats, the sampler's gap
                              saved=None, stats=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
-    share, the kept rows' sampled tokens on all ranks); with N_i counted on all ranks, the shares
-    sum to L however the step is split. Without micro-batches, the fast path and the options, it is
+    share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
+    on all ranks, the shares sum to L however the step is split. Without micro-batches, the fast
+    path and the options, it is
         inputs, targets = make_batch(sequences, masks, device)  # targets -1: not sampled
         logp = plain_logprobs(model, inputs, targets, temperature)  # (rows, T)
         loss = -(advantages[:, None] * logp).sum(dim=1) / N  # then summed over rows

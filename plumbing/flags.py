@@ -301,10 +301,10 @@ def check_config(cfg, world_size):
             "all_tokens counts the dropped groups too"
         )
     loss_norms = ("kept_tokens", "all_tokens", "sequence")
-    if cfg.advantage not in ADVANTAGES or cfg.loss_norm not in loss_norms:
-        raise ConfigError(
-            f"--advantage is {' | '.join(ADVANTAGES)} and --loss-norm is {' | '.join(loss_norms)}"
-        )
+    if cfg.advantage not in ADVANTAGES:
+        raise ConfigError(f"--advantage is {' | '.join(ADVANTAGES)}, not {cfg.advantage!r}")
+    if cfg.loss_norm not in loss_norms:
+        raise ConfigError(f"--loss-norm is {' | '.join(loss_norms)}, not {cfg.loss_norm!r}")
     check_objective(cfg)
     check_model_path(cfg.model)
     # the generic task's options

@@ -75,6 +75,7 @@ CASES = [
     (["--num-steps=0"], "positive or -1"),
     (["--task=chess"], "unknown task 'chess'"),
     (["--advantage=rank"], "--advantage is mean | zscore"),
+    (["--loss-norm=tokens"], "--loss-norm is kept_tokens | all_tokens | sequence, not 'tokens'"),
     (["--device-type=tpu"], "unknown --device-type 'tpu'"),
     (["--device-batch-tokens=10"], "--device-batch-tokens=10 is below --max-new-tokens=768"),
     (["--overlong-buffer=-1"], "--overlong-buffer must be in [0, --max-new-tokens=768]"),
