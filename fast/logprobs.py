@@ -42,7 +42,11 @@ def plain_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_si
 def make_batch(sequences, masks, device):
     """Right-padded (inputs, targets), both (B, T) with T the longest row's length - 1: inputs[b, t]
     = token t of row b predicts targets[b, t] = targets_of(row b)[t], padded with -1 (no
-    gradient)."""
+    gradient). A prompt p0 p1 and sampled a0 a1, beside a row one token longer:
+        sequence  p0 p1 a0 a1     mask  0 0 1 1
+        inputs    p0 p1 a0 0      (the last token predicts nothing; 0 pads)
+        targets   -1 a0 a1 -1     (column t holds token t + 1 where the policy sampled it)
+    So logp[b, t], the log-prob of targets[b, t], is the policy's at token t + 1 of the row."""
     B, T = len(sequences), max(len(s) for s in sequences) - 1
     inputs, targets = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     for i, (seq, mask) in enumerate(zip(sequences, masks)):
