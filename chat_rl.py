@@ -240,12 +240,12 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
         text = tokenizer.decode(sequence[len(prompt) :])
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
     # 4. advantage: A_i = r_i - the mean reward of completion i's group
-    r = torch.tensor(rewards).view(-1, num_samples)
-    advantages = (r - r.mean(dim=1, keepdim=True)).view(-1).to(device)
+    advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
     # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    loss = -(advantages[:, None] * logp).sum() / (targets >= 0).sum()
+    N = sum(sampled_tokens(mask) for mask in samples.masks)
+    loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     return loss.detach(), rewards
 
