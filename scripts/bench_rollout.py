@@ -38,9 +38,10 @@ from unittest import mock
 
 import torch
 
-from engine import Engine, next_logits, sample_next_token
+from engine import Engine, next_logits
 from fast import packed_linear
 from fast.packed_linear import packed_linears
+from fast.sampling import sample_next_token
 from policy import lora
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_memory, bench_rl_step, op_count

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import chat_rl
-from engine import Engine, next_logits, sample_next_token
+from engine import Engine, next_logits
 from fast import attention
 from fast.logprobs import fast_logprobs, make_batch
+from fast.sampling import sample_next_token
 from plumbing import checkpoint, flags, memory, start
 from plumbing.flags import ConfigError
 from policy import hf_folder, lora

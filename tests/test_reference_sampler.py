@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from calculator import calculate
-from engine import CALL, Engine, generate_reference, sample_next_token, sample_reference
+from engine import CALL, Engine, generate_reference, sample_reference
+from fast.sampling import sample_next_token
 from fast.tool_calls import OUT, _run
 from plumbing.checkpoint import load_policy
 from policy.gpt import GPT, GPTConfig

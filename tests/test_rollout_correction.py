@@ -17,8 +17,9 @@ import torch.multiprocessing as mp
 import chat_rl
 import test_objective as base  # the objective's own tests: their model, rollouts and formulas
 import test_objective_options as opts  # a moved policy, two epochs as train() runs them
-from engine import Engine, sample_next_token
+from engine import Engine
 from fast.logprobs import fast_logprobs, make_batch, plain_logprobs
+from fast.sampling import sample_next_token
 from plumbing import checkpoint, flags, metrics
 from plumbing.checkpoint import load_policy
 from tasks import arith

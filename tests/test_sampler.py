@@ -4,7 +4,7 @@ row by row."""
 import pytest
 import torch
 
-from engine import BLOCK, sample_from_probs, sample_next_token
+from fast.sampling import BLOCK, sample_from_probs, sample_next_token
 
 V = 2 * BLOCK + 88  # two full blocks of the two-level inverse CDF and a partial third one
 N = 100_000  # draws per distribution
