@@ -4,17 +4,22 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: plain_step() first, steps 2-5 below in thirty lines of plain torch, to which
-tests/test_plain_step.py holds train()'s rewards and gradient; then rollout() (sampling,
-scoring), compute_advantages(), objective() with normaliser() (the loss),
-policy_gradient_backward() (the loss over micro-batches) and train()'s loop. rollout() samples
-with the fast engine.Engine, which draws token for token what engine.generate_reference, the
-plain sampler, draws: read that one; for the log-probs, fast/logprobs.plain_logprobs. The fast
-paths beside them (engine.Engine, fast/) can be taken on trust: tests hold each to its plain
-twin, --logprobs=plain trains with the plain one, and the fast log-probs check the gradient they
-send against objective()'s own (README: the objective).
+Reading it: a step's four parts in about 250 lines of plain torch, then the step as a run takes it
+(the rest is options and the machinery of a real run, held by tests to these):
+  the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
+               test_plain_step.py holds train()'s rewards and gradient to it
+  sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
+               which the fast engine.Engine that rollout() calls matches token for token
+  advantage    compute_advantages()
+  loss         objective()'s first branch (REINFORCE), normaliser() for N_i, and
+               fast/logprobs.plain_logprobs for logp (make_batch lays out the rows)
+  in the run   train_step(), the same step with every option, then train() around it (evals, saves)
+Left for a second reading: the options' branches (--ppo-epochs, --kl-beta, --rollout-correction,
+--refill), policy_gradient_backward's micro-batches and Guess, and fast/: --logprobs=plain trains
+with plain_logprobs, and the fast log-probs check the gradient they send against objective()'s
+own (README: the objective).
 
-One optimizer step, as train() runs it. A "rank" is one process of a torchrun launch (one per
+One optimizer step, as train_step() runs it. A "rank" is one process of a torchrun launch (one per
 GPU; a laptop has one).
   1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
      examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
@@ -204,7 +209,7 @@ PRESETS = dict(
                  lora_lr=3e-4, eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
-# objective()'s flags: train() hands it each one's value from the command line as batch.<name>.
+# objective()'s flags: train_step() hands it each one's value from the command line as batch.<name>.
 # Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. A
 # flag of your own: its line in HYPERPARAMETERS, its name here.
 OBJECTIVE_FLAGS = (
@@ -223,7 +228,7 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
                tool=None):  # fmt: skip
     """Steps 2-5 in plain torch, the whole algorithm on one rank at the default flags (pass
     tool=calculator.calculate for --tool's default; None samples without it): add the gradient
-    of L to .grad, return (L, the rewards). train() computes the same with its fast paths (the
+    of L to .grad, return (L, the rewards). train_step() computes the same with its fast paths (the
     Engine's KV cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py
     holds its rewards and gradient to this one's. Then step 6: optimizer_step."""
     device = next(model.parameters()).device
@@ -259,7 +264,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     generate_batch_rows // num_samples problems (one at least). A problem's samples draw from a
     random stream seeded by seed and its id (its place in the step or the eval set): ranks and
     batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
-    only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train(),
+    only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train_step(),
     refill_round() and plumbing/evaluation.py; an argument of your own goes to each."""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
@@ -329,9 +334,9 @@ def refill_round(setup, cfg, step, r, rank, world):
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
-    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). Two callers: train() for
-    the step's groups and with_refills for each --refill round's, so a change to what it is given
-    goes in both."""
+    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). Two callers:
+    train_step() for the step's groups and with_refills for each --refill round's, so a change to
+    what it is given goes in both."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
@@ -388,7 +393,7 @@ def objective(logp, batch):
     (--kl-beta); old_logp (B, T), the sampling policy's after --ppo-epochs' first update (None
     before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
-    the train row as a mean per token (train()'s step_values holds what is once a step). Both
+    the train row as a mean per token (train_step()'s step_values holds what is once a step). Both
     --logprobs paths take any such function's gradient."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
@@ -590,13 +595,7 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7, every rank in lockstep. Without evals, stops, resume, --refill, --mask-truncated
-    and the log, a step is these five lines; the rest of the loop is what a real run needs:
-        problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
-        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
-        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind)  # 4
-        policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
-        sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6
+    """Steps 1-7, every rank in lockstep: the run around train_step(), which takes one step.
     Step s sees the weights after s updates: num_steps=2, eval_every=1 runs eval 0, update 0,
     eval 1, update 1, eval 2, and saves step_000002."""
     print0 = print if rank == 0 else (lambda *a, **k: None)
@@ -604,8 +603,7 @@ def train(cfg, rank, world, device):
     # plumbing/start.py: the rows, the resume point, the policy with its Engine and AdamW, the log
     setup = start(cfg, rank, world, device)
     model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
-    num_steps, start_step, autocast = setup.num_steps, setup.start_step, setup.autocast
-    options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
+    num_steps, start_step = setup.num_steps, setup.start_step
     print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed,
                               setup.dtype_why))  # fmt: skip
     last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
@@ -623,89 +621,12 @@ def train(cfg, rank, world, device):
             last_pass1 = held_out["pass@1"]
         if step == num_steps or cfg.eval_only:
             break
-        t0 = time.time()
-        rows, per_step = setup.train_rows, cfg.examples_per_step
-        problems = problems_for_step(rows, step, rank, world, per_step, cfg.seed)  # 1. this rank's
-        model.eval()  # no dropout in these models: eval() and train() mark the phases for a fork
-        optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
-        # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
-        problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-        with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
-            out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
-                          cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
-                          cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
-                          system_prompt=cfg.system_prompt,
-                          overlong_buffer=cfg.overlong_buffer)  # fmt: skip
-        t_rollout = time.time() - t0
-        if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
+        row, failure = train_step(setup, cfg, step, num_steps, rank, world, device, stop)
+        if row is None:  # a stop, or every reward failed: no update this step
             break
-        if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
-            break
-        # 4. r - mean(r) within each group; --refill samples more groups while too few have signal
-        advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
-        trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
-        if cfg.refill:
-            with autocast, fsdp.gathered(model), stop.abandonable(model):
-                out, advantages, trains, refilled = with_refills(
-                    out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
-                    cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world, device,
-                    cfg.advantage)  # fmt: skip
-            refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
-                refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
-                for r in range(1, refilled["refill_rounds"] + 1)
-            ]
-            t_rollout = time.time() - t0
-        # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
-        # their means over ranks go in the train row as they are, not per token like stats
-        step_values = {}
-        if cfg.overlong_buffer > 0:  # its share of `reward`, every completion the step sampled
-            step_values["reward_overlong"] = sum(out["overlong"]) / len(out["overlong"])
-        sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
-        if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
-            masks = without_truncated(masks, out["truncated"])
-        if trains is not None:  # --refill: the chosen groups alone train
-            keep = trains.nonzero()[:, 0].tolist()
-            sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
-            sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
-        model.train()
-        lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
-        saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
-        gaps = []  # the sampler's log-probs against the trainer's, pass by pass
-        for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
-            optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
-            # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
-            with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
-                loss, kept_tokens = policy_gradient_backward(
-                    model, sequences, masks, advantages,
-                    num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
-                    temperature=cfg.temperature, options=options, reference=setup.reference,
-                    sampler_logp=sampler_logp,
-                    device=device, autocast=autocast, device_batch_size=cfg.device_batch_size,
-                    device_batch_tokens=cfg.device_batch_tokens, logprobs=LOGPROBS[cfg.logprobs],
-                    vocab_size=tokenizer.vocab_size,
-                    saved=saved, stats=stats, gaps=gaps)  # fmt: skip
-            if epoch == 0 and stop.requested(device):
-                break
-            # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
-            sync_gradients(model)
-            loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
-            norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
-            updates.append((loss, norm))
-            if not finite:  # the next epoch would meet the same weights and rollout
-                break
-        if not updates:  # a stop came during the first epoch's passes
-            break
-        losses, norms = zip(*updates)  # each epoch's; the step reports their means
-        loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
+        finite, kept_tokens = not row["skipped_nonfinite"], row["kept_tokens"]
         nonfinite_in_row = metrics.check_nonfinite(finite, kept_tokens, nonfinite_in_row,
                                                    cfg.max_nonfinite, step, print0)  # fmt: skip
-        row = metrics.step_metrics(
-            step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
-            grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
-            state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
-            **metrics.per_token(stats, kept_tokens * len(updates), device),
-            **metrics.gap_row(gaps, kept_tokens, device),
-            **metrics.rank_means(step_values, device), **refilled)  # fmt: skip
         log.write(row)
         eta_s = eta.stepped(step, row["step_time_s"])
         print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
@@ -722,6 +643,99 @@ def train(cfg, rank, world, device):
     print0(metrics.reward_errors_line(log.reward_errors) + ended)
     log.close()
     return 0
+
+
+def train_step(setup, cfg, step, num_steps, rank, world, device, stop):
+    """Steps 1-6 once on this rank: (the step's train row, None) after its update, (None, None) if
+    a stop came before it, (None, the first error) if the reward failed on every completion.
+    Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
+        problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
+        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
+        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind)  # 4
+        policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
+        sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6"""
+    model, optimizer, autocast = setup.model, setup.optimizer, setup.autocast
+    options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
+    t0 = time.time()
+    rows, per_step = setup.train_rows, cfg.examples_per_step
+    problems = problems_for_step(rows, step, rank, world, per_step, cfg.seed)  # 1. this rank's
+    model.eval()  # no dropout in these models: eval() and train() mark the phases for a fork
+    optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
+    # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
+    problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
+    with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
+        out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                      cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
+                      cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
+                      system_prompt=cfg.system_prompt,
+                      overlong_buffer=cfg.overlong_buffer)  # fmt: skip
+    t_rollout = time.time() - t0
+    if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
+        return None, None
+    if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
+        return None, failure
+    # 4. r - mean(r) within each group; --refill samples more groups while too few have signal
+    advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
+    trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
+    if cfg.refill:
+        with autocast, fsdp.gathered(model), stop.abandonable(model):
+            out, advantages, trains, refilled = with_refills(
+                out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
+                cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world, device,
+                cfg.advantage)  # fmt: skip
+        refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
+            refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
+            for r in range(1, refilled["refill_rounds"] + 1)
+        ]
+        t_rollout = time.time() - t0
+    # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
+    # their means over ranks go in the train row as they are, not per token like stats
+    step_values = {}
+    if cfg.overlong_buffer > 0:  # its share of `reward`, every completion the step sampled
+        step_values["reward_overlong"] = sum(out["overlong"]) / len(out["overlong"])
+    sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
+    if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
+        masks = without_truncated(masks, out["truncated"])
+    if trains is not None:  # --refill: the chosen groups alone train
+        keep = trains.nonzero()[:, 0].tolist()
+        sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
+        sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
+    model.train()
+    lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
+    saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
+    gaps = []  # the sampler's log-probs against the trainer's, pass by pass
+    for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
+        optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
+        # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
+        with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
+            loss, kept_tokens = policy_gradient_backward(
+                model, sequences, masks, advantages,
+                num_samples=cfg.num_samples, loss_norm=cfg.loss_norm,
+                temperature=cfg.temperature, options=options, reference=setup.reference,
+                sampler_logp=sampler_logp,
+                device=device, autocast=autocast, device_batch_size=cfg.device_batch_size,
+                device_batch_tokens=cfg.device_batch_tokens, logprobs=LOGPROBS[cfg.logprobs],
+                vocab_size=setup.tokenizer.vocab_size,
+                saved=saved, stats=stats, gaps=gaps)  # fmt: skip
+        if epoch == 0 and stop.requested(device):
+            return None, None
+        # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
+        sync_gradients(model)
+        loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
+        norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)
+        updates.append((loss, norm))
+        if not finite:  # the next epoch would meet the same weights and rollout
+            break
+    losses, norms = zip(*updates)  # each epoch's; the step reports their means
+    loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
+    row = metrics.step_metrics(
+        step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
+        grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
+        state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
+        **metrics.per_token(stats, kept_tokens * len(updates), device),
+        **metrics.gap_row(gaps, kept_tokens, device),
+        **metrics.rank_means(step_values, device), **refilled)  # fmt: skip
+    return row, None
 
 
 # ==== the command line ===========================================================================

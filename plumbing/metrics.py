@@ -90,8 +90,8 @@ def gap_row(gaps, kept_tokens, device):
 
 
 def rank_means(values, device):
-    """A step's own values (train()'s step_values: name -> a number this rank computed once this
-    step) as their means over the ranks; a rank without one counts 0 (every rank's names are
+    """A step's own values (train_step()'s step_values: name -> a number this rank computed once
+    this step) as their means over the ranks; a rank without one counts 0 (every rank's names are
     gathered first)."""
     names = sorted(values)
     if dist.is_initialized():
