@@ -72,3 +72,9 @@ def test_the_engine_snippet_runs_as_pasted_on_the_demo_model():
     assert result.stdout.strip().endswith("#### 34"), (
         result.stdout
     )  # the demo model's answer to the snippet's problem
+
+
+def test_the_readme_stays_a_front_door_of_at_most_300_lines():
+    """What a user needs to start, choose and trust; the depth lives in docs/, linked from it."""
+    lines = readme().count("\n")
+    assert lines <= 300, f"README.md has {lines} lines: move the depth into docs/"
