@@ -161,6 +161,8 @@ HYPERPARAMETERS = dict(
     lora_targets=("all-linear", "all-linear | q_proj,v_proj,... (,lm_head: trained whole)"),
     lora_lr=(3e-5, "peak learning rate with --lora-rank > 0, instead of --lr"),
     weight_decay=(0.0, "AdamW weight decay"),
+    adam_beta1=(0.9, "AdamW's decay of its gradient mean"),
+    adam_beta2=(0.95, "AdamW's decay of its squared-gradient mean (0.95 as LLMs use)"),
     grad_clip=(1.0, "clip the global gradient norm; 0 = off"),
     max_nonfinite=(5, "stop after this many non-finite updates in a row"),
     # memory (docs/gpu.md: "Past one GPU's memory")

@@ -255,6 +255,11 @@ def check_config(cfg, world_size):
             )
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be above 0, got {cfg.lr}")
+    for name in ("adam_beta1", "adam_beta2"):  # a decay of 1 never forgets; torch refuses it
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(cfg, name)}"
+            )
     for name in ("temperature", "top_k", "grad_clip", "format_weight"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")

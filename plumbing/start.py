@@ -19,11 +19,12 @@ from plumbing.flags import load_task
 from plumbing.metrics import MetricsLog
 
 
-def adamw(parameters, lr, weight_decay):
-    """AdamW, fused (one kernel for all), beta2 0.95 as LLMs use; one param group: weight_decay > 0
-    decays norms too."""
-    betas = (0.9, 0.95)
-    return torch.optim.AdamW(parameters, lr, betas, weight_decay=weight_decay, fused=True)
+def adamw(parameters, lr, settings):
+    """AdamW, fused (one kernel for all), at the run's weight_decay, adam_beta1 and adam_beta2
+    (settings: the run's cfg, or chat_rl.HYPERPARAMETERS' defaults as a namespace); one param
+    group: weight_decay > 0 decays norms too."""
+    betas = (settings.adam_beta1, settings.adam_beta2)
+    return torch.optim.AdamW(parameters, lr, betas, weight_decay=settings.weight_decay, fused=True)
 
 
 def start(cfg, rank, world, device):
@@ -51,7 +52,7 @@ def start(cfg, rank, world, device):
     engine = Engine(model, tokenizer, tool=calculate if cfg.tool == "calculator" else None)
     peak_lr = cfg.lora_lr if cfg.lora_rank else cfg.lr
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = adamw(trained, peak_lr, cfg.weight_decay)
+    optimizer = adamw(trained, peak_lr, cfg)
     checkpoint.restore(state, model, optimizer, rank)  # a resumed run's AdamW state and RNGs
     reference = checkpoint.reference_policy(cfg, model, state, device)  # --kl-beta's frozen start
     # trained weights stay fp32 (AdamW's master copy); with bf16 the passes compute in it

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -209,7 +210,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
             engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0
         )
         rollout_and_reward = time.perf_counter() - t0
-        optimizer = start.adamw(model.parameters(), 1e-6, defaults["weight_decay"])
+        optimizer = start.adamw(model.parameters(), 1e-6, SimpleNamespace(**defaults))
         model.train()
         advantages = chat_rl.compute_advantages(
             torch.tensor(out["total"]), samples, defaults["advantage"]
@@ -286,7 +287,7 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     engine = Engine(model, Tokenizer(model.config.vocab_size))
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = start.adamw(trained, lr, defaults["weight_decay"])
+    optimizer = start.adamw(trained, lr, SimpleNamespace(**defaults))
     forward_seconds = []
 
     def timed_logprobs(*args, **kwargs):

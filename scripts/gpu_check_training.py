@@ -15,6 +15,7 @@ import math
 import os
 import tempfile
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -403,7 +404,7 @@ def check_update(s):
     # half right in every group: every group carries gradient
     advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    optimizer = start.adamw(model.parameters(), 0.0, defaults["weight_decay"])
+    optimizer = start.adamw(model.parameters(), 0.0, SimpleNamespace(**defaults))
 
     def update():
         model.zero_grad(set_to_none=True)

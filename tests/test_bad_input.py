@@ -58,6 +58,7 @@ CASES = [
     (["demo"], "unexpected argument"),
     (["--preset=huge"], "unknown preset"),
     (["--num-samples=0"], "must be positive"),
+    (["--adam-beta2=1"], "--adam-beta2 must be in [0, 1), got 1.0"),
     (["--examples-per-step=-4"], "must be positive"),
     (["--device-batch-size=0"], "must be positive"),
     (["--max-new-tokens=0"], "must be positive"),

@@ -28,6 +28,7 @@ from policy.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["qwen2", "qwen3", "llama"]
+DEFAULTS = SimpleNamespace(**{name: v[0] for name, v in chat_rl.HYPERPARAMETERS.items()})
 
 
 def base_folder(tmp_path, family):
@@ -108,7 +109,7 @@ def test_only_the_adapters_get_gradients_the_same_on_the_fast_and_the_plain_path
 
 def save_checkpoint(model, out_dir, base):
     cfg = SimpleNamespace(out_dir=str(out_dir), model=base, keep_checkpoints=2)
-    optimizer = start.adamw([p for p in model.parameters() if p.requires_grad], 1e-3, 0.0)
+    optimizer = start.adamw([p for p in model.parameters() if p.requires_grad], 1e-3, DEFAULTS)
     checkpoint.save(cfg, 1, model, ByteTokenizer(), optimizer, rank=0, world=1)
     return out_dir / "step_000001"
 

@@ -38,6 +38,7 @@ QWEN2_LIKE = dict(  # Qwen2.5's switches at a small size: qkv bias, 2 query head
     attention_bias=True,
     tie_word_embeddings=True,
 )
+DEFAULTS = SimpleNamespace(**{name: v[0] for name, v in chat_rl.HYPERPARAMETERS.items()})
 LORA_RANK = 4
 # the parts whose sizes are counted exactly from the shapes: the bytes must agree to the byte,
 # up to this (fused AdamW's one-element step counters, 4 bytes a tensor, are left out)
@@ -73,7 +74,7 @@ def close(measured, planned, tolerance):
 def test_the_state_planned_is_what_a_step_of_adamw_allocates(lora_targets):
     model = tiny(lora_targets)
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = start.adamw(trained, 1e-3, 0.0)
+    optimizer = start.adamw(trained, 1e-3, DEFAULTS)
     ids = torch.randint(0, 512, (2, 16))
     with torch.autocast("cpu", dtype=BF16):
         loss = model(ids, ids)

@@ -127,6 +127,21 @@ def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
     assert first["loss"] != pytest.approx(train[0]["loss"], rel=1e-3)
 
 
+def test_adamws_flags_reach_the_optimizer_and_its_defaults_are_the_runs_before_them(
+    demo_run, tmp_path
+):
+    def group(out_dir, step):  # what the checkpoint's AdamW ran with
+        state = torch.load(out_dir / f"step_{step:06d}" / "trainer_state.pt", weights_only=True)
+        return state["optimizer"]["param_groups"][0]
+
+    default = group(demo_run[0], NUM_STEPS)
+    assert tuple(default["betas"]) == (0.9, 0.95) and default["weight_decay"] == 0.0
+    run(tmp_path, "--num-steps=1", "--eval-every=-1", "--adam-beta1=0.8", "--adam-beta2=0.99",
+        "--weight-decay=0.1")  # fmt: skip
+    changed = group(tmp_path, 1)
+    assert tuple(changed["betas"]) == (0.8, 0.99) and changed["weight_decay"] == 0.1
+
+
 def test_the_overlong_buffer_reaches_the_reward_the_advantages_are_taken_from(demo_run, tmp_path):
     # step 0 samples the same completions with the buffer on (same weights, same seeds): only
     # their totals differ, by the penalty. (Not always the loss: a penalty equal across a group,
