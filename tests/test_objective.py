@@ -8,6 +8,7 @@ gradient is that of every row run).
 
 import inspect
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import chat_rl
+from engine import generate_reference
 from fast import logprobs
 from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig
@@ -106,6 +108,32 @@ def rollouts(seed=0, num_groups=4):
             # never a target
             masks.append([0] * len(prompt) + [int(j % 3 != 1) for j in range(len(completion))])
     return sequences, masks
+
+
+def sampled_rollouts(model, seed=0, num_groups=4, max_new_tokens=6):
+    """rollouts' prompts, each with NUM_SAMPLES completions the model samples at T through the plain
+    sampler, as a run draws them. rollouts' random tokens have p about 0 under small_model's peaked
+    head, so a term that reads a token's probability (a weight such as 1 - p) is constant on them
+    and a test there passes with it dropped: test such a term on these."""
+    sequences, _ = rollouts(seed, num_groups)
+    prompts = [sequences[g * NUM_SAMPLES] for g in range(num_groups)]
+    tokenizer = SimpleNamespace(vocab_size=V, stop_tokens={0}, decode=lambda ids: "")
+    samples = generate_reference(model, tokenizer, prompts, NUM_SAMPLES, max_new_tokens, T,
+                                 seed=seed, include_stop=True)  # fmt: skip
+    return samples.sequences, samples.masks
+
+
+def test_sampled_rollouts_have_likely_tokens_where_the_random_ones_have_none():
+    model = small_model()
+
+    def probs(sequences, masks):  # p of each sampled token under softmax(logits / T)
+        inputs, targets = logprobs.make_batch(sequences, masks, "cpu")
+        with torch.no_grad():
+            logp = logprobs.plain_logprobs(model, inputs, targets, T)
+        return logp.exp()[targets >= 0]
+
+    random, sampled = probs(*rollouts()), probs(*sampled_rollouts(model))
+    assert random.max() < 0.5 < sampled.max() and sampled.min() < 0.5  # spread between 0 and 1
 
 
 def kept_rows(advantages):
