@@ -395,8 +395,9 @@ def objective(logp, batch):
     (--kl-beta); old_logp (B, T), the sampling policy's after --ppo-epochs' first update (None
     before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
-    the train row as a mean per token (train_step()'s step_values holds what is once a step). Both
-    --logprobs paths take any such function's gradient."""
+    the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
+    train_step()'s step_values holds what is once a step). Both --logprobs paths take any such
+    function's gradient."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
