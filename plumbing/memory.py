@@ -12,7 +12,7 @@ the code makes it). tests/test_plan_memory.py holds each to the bytes the CPU al
 small model of the same family, in CUDA's precision (bf16 autocast, a bf16 base). The plan is for
 CUDA: fp32 master weights, bf16 compute; what it leaves out is said where it is left out.
 
-Two phases, never at once (train() frees the gradients before each rollout):
+Two phases, never at once (train_step() frees the gradients before each rollout):
   rollout:  the weights, AdamW's moments, autocast's bf16 copy of the weights (kept for the whole
             rollout: the Engine runs under no_grad, not inference_mode, for this cache), under
             --fsdp the whole model gathered in bf16 (fsdp.gathered), the KV cache of the largest

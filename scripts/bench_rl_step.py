@@ -216,7 +216,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
             torch.tensor(out["total"]), samples, defaults["advantage"]
         )
 
-        # the loss's passes, clipping and an AdamW step, as chat_rl.train runs them
+        # the loss's passes, clipping and an AdamW step, as chat_rl.train_step runs them
         def update(logprobs=chat_rl.fast_logprobs):
             model.zero_grad(set_to_none=True)
             loss, kept_tokens = chat_rl.policy_gradient_backward(
