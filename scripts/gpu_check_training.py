@@ -384,9 +384,9 @@ def check_lora(s):
 
 def check_update(s):
     """
-    One RL update as chat_rl.train_step runs it (policy_gradient_backward, clipping, fused AdamW; lr 0,
-    so the shared model stays as it is) on the rollout batch's shape, every group live, against its
-    FLOPs (bench_rl_step.update_work) at this device's matmul rates taken beside it
+    One RL update as chat_rl.train_step runs it (policy_gradient_backward, clipping, fused AdamW;
+    lr 0, so the shared model stays as it is) on the rollout batch's shape, every group live,
+    against its FLOPs (bench_rl_step.update_work) at this device's matmul rates taken beside it
     (bench_rl_step.update_against_floor, as bench_rollout's RL-step row). Micro-batches of one
     group each (device_batch_size = samples), so that each prompt runs once, as update_work counts.
     """
