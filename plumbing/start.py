@@ -21,7 +21,7 @@ from plumbing.metrics import MetricsLog
 
 def adamw(parameters, lr, settings):
     """AdamW, fused (one kernel for all), at the run's weight_decay, adam_beta1 and adam_beta2
-    (settings: the run's cfg, or chat_rl.HYPERPARAMETERS' defaults as a namespace); one param
+    (settings: the run's cfg; flags.parse_config([], HYPERPARAMETERS) for the defaults); one param
     group: weight_decay > 0 decays norms too."""
     betas = (settings.adam_beta1, settings.adam_beta2)
     return torch.optim.AdamW(parameters, lr, betas, weight_decay=settings.weight_decay, fused=True)

@@ -25,7 +25,6 @@ import os
 import shutil
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -33,7 +32,7 @@ import chat_rl
 from engine import Engine
 from fast import packed_linear
 from fast.logprobs import plain_logprobs
-from plumbing import start
+from plumbing import flags, start
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
 from scripts import make_demo_model
@@ -210,7 +209,9 @@ def step_parts(model, n_prompts, samples, new_tokens):
             engine, arith, rows, samples, new_tokens, temperature=1.0, top_k=0, seed=0
         )
         rollout_and_reward = time.perf_counter() - t0
-        optimizer = start.adamw(model.parameters(), 1e-6, SimpleNamespace(**defaults))
+        optimizer = start.adamw(
+            model.parameters(), 1e-6, flags.parse_config([], chat_rl.HYPERPARAMETERS)
+        )
         model.train()
         advantages = chat_rl.compute_advantages(
             torch.tensor(out["total"]), samples, defaults["advantage"]
@@ -287,7 +288,7 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
     engine = Engine(model, Tokenizer(model.config.vocab_size))
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = start.adamw(trained, lr, SimpleNamespace(**defaults))
+    optimizer = start.adamw(trained, lr, flags.parse_config([], chat_rl.HYPERPARAMETERS))
     forward_seconds = []
 
     def timed_logprobs(*args, **kwargs):

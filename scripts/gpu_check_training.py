@@ -15,7 +15,6 @@ import math
 import os
 import tempfile
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 import chat_rl
 from engine import Engine
 from fast.logprobs import fast_logprobs, make_batch, plain_logprobs
-from plumbing import fsdp, start
+from plumbing import flags, fsdp, start
 from plumbing.distributed import sync_gradients
 from policy import lora
 from policy.gpt import GPT, GPTConfig
@@ -404,7 +403,9 @@ def check_update(s):
     # half right in every group: every group carries gradient
     advantages = torch.tensor([1.0, -1.0]).repeat(rows // 2)
     defaults = {name: values[0] for name, values in chat_rl.HYPERPARAMETERS.items()}
-    optimizer = start.adamw(model.parameters(), 0.0, SimpleNamespace(**defaults))
+    optimizer = start.adamw(
+        model.parameters(), 0.0, flags.parse_config([], chat_rl.HYPERPARAMETERS)
+    )
 
     def update():
         model.zero_grad(set_to_none=True)

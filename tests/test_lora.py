@@ -20,7 +20,7 @@ import test_hf_checkpoints as hf_ckpt  # a module object, so pytest does not col
 import test_resume
 from engine import Engine, generate_reference
 from fast.logprobs import plain_logprobs
-from plumbing import checkpoint, start
+from plumbing import checkpoint, flags, start
 from plumbing.flags import ConfigError
 from policy import lora
 from policy.gpt import GPT
@@ -28,7 +28,7 @@ from policy.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["qwen2", "qwen3", "llama"]
-DEFAULTS = SimpleNamespace(**{name: v[0] for name, v in chat_rl.HYPERPARAMETERS.items()})
+DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its default
 
 
 def base_folder(tmp_path, family):

@@ -38,7 +38,7 @@ QWEN2_LIKE = dict(  # Qwen2.5's switches at a small size: qkv bias, 2 query head
     attention_bias=True,
     tie_word_embeddings=True,
 )
-DEFAULTS = SimpleNamespace(**{name: v[0] for name, v in chat_rl.HYPERPARAMETERS.items()})
+DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its default
 LORA_RANK = 4
 # the parts whose sizes are counted exactly from the shapes: the bytes must agree to the byte,
 # up to this (fused AdamW's one-element step counters, 4 bytes a tensor, are left out)
