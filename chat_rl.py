@@ -624,7 +624,7 @@ def train(cfg, rank, world, device):
             last_pass1 = held_out["pass@1"]
         if step == num_steps or cfg.eval_only:
             break
-        row, failure = train_step(setup, cfg, step, num_steps, rank, world, device, stop)
+        row, failure = train_step(setup, cfg, step, rank, world, device, stop)
         if row is None:  # a stop, or every reward failed: no update this step
             break
         finite, kept_tokens = not row["skipped_nonfinite"], row["kept_tokens"]
@@ -648,7 +648,7 @@ def train(cfg, rank, world, device):
     return 0
 
 
-def train_step(setup, cfg, step, num_steps, rank, world, device, stop):
+def train_step(setup, cfg, step, rank, world, device, stop):
     """Steps 1-6 once on this rank: (the step's train row, None) after its update, (None, None) if
     a stop came before it, (None, the first error) if the reward failed on every completion.
     Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
@@ -704,7 +704,8 @@ def train_step(setup, cfg, step, num_steps, rank, world, device, stop):
         sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
         sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
     model.train()
-    lr = setup.peak_lr * (1 - step / num_steps)  # linear decay: the last at peak_lr / num_steps
+    # linear decay: the last step's lr is peak_lr / num_steps
+    lr = setup.peak_lr * (1 - step / setup.num_steps)
     saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
     gaps = []  # the sampler's log-probs against the trainer's, pass by pass
     for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
