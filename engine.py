@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from fast.kv_cache import KVCache
-from fast.packed_linear import packed_linears
+from fast.packed_linear import decode_threads, packed_linears
 from fast.sampling import sample_next_token
 from fast.tool_calls import ToolCalls, call_tables
 from policy import lora
@@ -336,10 +336,14 @@ class Engine:
         of the row's KV cache, which max_new_tokens sizes, and the budget then bounds the
         sequence the loss runs as well.
         """
-        # on the CPU the large matmuls take their weights packed once for the call
-        # (fast/packed_linear.py); LoRA's adapters are stacked once for it too
-        rows = len(prompts) * num_samples
-        with packed_linears(self.model, rows=rows), lora.frozen_adapters(self.model):
+        # on the CPU the large matmuls take their weights packed once for the call, on one thread
+        # under bf16 (fast/packed_linear.py); LoRA's adapters are stacked once for it too
+        rows, device = len(prompts) * num_samples, self.model.lm_head.weight.device
+        with (
+            packed_linears(self.model, rows=rows),
+            decode_threads(device),
+            lora.frozen_adapters(self.model),
+        ):
             return self._generate(
                 prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
             )

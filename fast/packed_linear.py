@@ -15,6 +15,13 @@ call rather than at every position), for weights of at least MIN_WEIGHT entries.
 demo's 128-wide model) MKL is as fast, and small models keep their exact numbers. The packed
 copies live for one generate call, one more copy of those weights in memory while the engine
 samples, packed again at every call since training changes the weights between calls.
+
+decode_threads() sets the threads a call samples on. Under bf16 a decode pass on a CPU is a few
+dozen element-wise operations a layer between matmuls that bf16 made 3x shorter, and with torch's
+threads waiting passively (OMP_WAIT_POLICY=PASSIVE, chat_rl's default) each operation split over
+threads pays to wake them, more than the split saves: on one thread the engine sampled SmolLM2-135M
+1.5-1.9x faster at 64 rows and as fast at 256 on a 2-core CPU (docs/benchmarks.md). fp32 keeps its
+threads, and so its numbers.
 """
 
 import platform
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 MIN_WEIGHT = 2**18  # entries of a weight worth packing: 1 MiB in fp32
+BF16_DECODE_THREADS = 1  # a generate call's threads on a CPU under bf16 autocast (decode_threads)
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -95,3 +103,18 @@ def packed_linears(model, rows=128):
     finally:
         for linear in patched:
             del linear.forward
+
+
+@contextmanager
+def decode_threads(device):
+    """Within the block, torch runs on at most BF16_DECODE_THREADS threads if it computes in bf16
+    autocast on a CPU (the module's docstring says why); elsewhere nothing changes. On exit the
+    count is what it was."""
+    before = torch.get_num_threads()
+    bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    threads = min(before, BF16_DECODE_THREADS) if device.type == "cpu" and bf16 else before
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

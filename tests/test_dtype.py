@@ -142,6 +142,24 @@ def test_under_bf16_the_kv_cache_keeps_its_keys_in_fp32_and_its_values_in_bf16()
     assert {v.dtype for v in cache.prompt_v + cache.v} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_under_bf16_on_a_cpu_the_engine_samples_on_one_thread_and_gives_the_threads_back(bf16):
+    model, tokenizer = load_policy("demo_model", "cpu")
+    prompts = [tokenizer.render_for_completion(conversation(arith, arith.load("test", 1)[0]))]
+    seen = []  # the threads each forward pass of the call ran on
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            Engine(model.eval(), tokenizer).generate(prompts, 2, 4)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {packed_linear.BF16_DECODE_THREADS if bf16 else 2}  # fp32: as it was
+    assert after == 2
+
+
 def test_resume_refuses_a_checkpoint_of_another_dtype(tmp_path, capsys):
     one_step(tmp_path, "--dtype=bf16", "--save-every=1")
     argv = ["--preset=demo", f"--out-dir={tmp_path / 'run'}", "--num-steps=1", "--eval-every=-1"]
