@@ -88,7 +88,7 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     sampled = targets >= 0
     # rows past the tokenizer's vocabulary pad the embedding: never sampled
     weight = model.lm_head.weight[:vocab_size]
-    chunk = max(1, LOGITS_PER_CHUNK // weight.size(0))
+    chunk = head_chunk_rows(weight)
     if loss_grad is None:
         logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
     else:
@@ -98,8 +98,25 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
 
 
-# the head projects at most this many logits at once (each chunk's buffer: 4 bytes each)
+# the head projects at most this many logits at once (each chunk's buffer: 4 bytes each), or
+# LOW_PRECISION_CHUNKS times as many where its matmuls run in bf16 (head_chunk_rows)
 LOGITS_PER_CHUNK = 2**24
+LOW_PRECISION_CHUNKS = 8
+
+
+def head_chunk_rows(weight):
+    """Tokens a chunk of fast_logprobs' head takes: LOGITS_PER_CHUNK logits, LOW_PRECISION_CHUNKS
+    times as many where the head's matmuls run in bf16 (autocast, or a bf16 head). There each
+    chunk's share of the head's gradient is a (V, C) bf16 product added into the fp32 gradient
+    (add_chunk_grads): a pass over the whole head per chunk, which at 2**24 logits (110 tokens of
+    a 152k vocabulary) outweighs the chunk's own matmuls on a GPU (about 1.4 GB moved against 30
+    GFLOP at 0.5B) and on a CPU allocates a head-sized temporary each time. In fp32 the chunks'
+    products sum inside the matmul (addmm_), and the chunks, and so the numbers, stay as they
+    were."""
+    autocast = autocast_state(weight.device.type)
+    low_precision = matmul_dtype(weight, autocast) != torch.float32
+    logits = LOGITS_PER_CHUNK * (LOW_PRECISION_CHUNKS if low_precision else 1)
+    return max(1, logits // weight.size(0))
 
 
 def token_nll(h, weight, targets, chunk, temperature=1.0):

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fast.logprobs import LOGITS_PER_CHUNK
+from fast.logprobs import LOGITS_PER_CHUNK, LOW_PRECISION_CHUNKS
 from fast.sampling import ROWS_X_VOCAB
 from plumbing.flags import ConfigError
 from policy import hf_folder, lora
@@ -241,14 +241,15 @@ def head_buffers(config, c, mb):
 
 
 def head_temporaries(config, mb, head_fp32):
-    """Bytes the head's forward pass holds for one chunk of LOGITS_PER_CHUNK logits: the fp32
-    buffer and the chunk's bf16 logits before they are copied in, and, when the head's weight is
-    fp32 (full fine-tuning under autocast), its bf16 copy, made once a pass for the logits' and
-    the gradients' matmuls (fast/logprobs.matmul_dtype); a bf16 head (a LoRA base, --fsdp's
-    gathered weights) is used as it is."""
+    """Bytes the head's forward pass holds for one chunk of its logits (bf16's chunk:
+    fast/logprobs.head_chunk_rows): the fp32 buffer and the chunk's bf16 logits before they are
+    copied in, the chunk's (V, C) bf16 share of the head's gradient before it is added in, and,
+    when the head's weight is fp32 (full fine-tuning under autocast), its bf16 copy, made once a
+    pass for the logits' and the gradients' matmuls (fast/logprobs.matmul_dtype); a bf16 head (a
+    LoRA base, --fsdp's gathered weights) is used as it is."""
     V, C = config.vocab_size, config.hidden_size
-    rows = min(max(1, LOGITS_PER_CHUNK // V), mb.B * mb.T)
-    return (FP32 + BF16) * rows * V + (BF16 * V * C if head_fp32 else 0)
+    rows = min(max(1, LOW_PRECISION_CHUNKS * LOGITS_PER_CHUNK // V), mb.B * mb.T)
+    return (FP32 + BF16) * rows * V + BF16 * V * C + (BF16 * V * C if head_fp32 else 0)
 
 
 def activations(config, c, mb, residual_bytes, checkpointing, lora_rank=0, lora_targets=""):

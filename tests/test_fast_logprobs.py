@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 import chat_rl
+import fast.logprobs as fast_lp
 from fast.logprobs import fast_logprobs, make_shared_batch, plain_logprobs
 from plumbing import fsdp
 from policy.gpt import GPT, GPTConfig
@@ -322,6 +323,34 @@ def test_the_loss_runs_each_prompt_once_per_micro_batch():
     own_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
     assert embedded == [(1, prefix_tokens + own_tokens)]
     assert own_tokens + prefix_tokens < sum(len(s) - 1 for s in sequences)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_under_bf16_the_head_takes_its_gradient_in_fewer_larger_chunks(monkeypatch, bf16):
+    # each chunk adds a (V, C) product into the head's fp32 gradient under bf16 (a pass over the
+    # whole head), where fp32 sums inside addmm_: bf16 takes LOW_PRECISION_CHUNKS x the logits a
+    # chunk, fp32 keeps its chunks (and so its numbers)
+    sequences, masks, advantages = rollouts(seed=3, num_groups=2)
+    model = model_for("llama (GQA, tied head)")
+    V = model.lm_head.weight.size(0)
+    monkeypatch.setattr(fast_lp, "LOGITS_PER_CHUNK", V)  # fp32: a token a chunk
+    chunks = []  # the tokens of each chunk's gradient share
+    add = fast_lp.add_chunk_grads
+    monkeypatch.setattr(
+        fast_lp,
+        "add_chunk_grads",
+        lambda probs, *a, **k: (chunks.append(len(probs)), add(probs, *a, **k)),
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        chat_rl.policy_gradient_backward(
+            model, sequences, masks, advantages, num_samples=NUM_SAMPLES, device_batch_size=64,
+            loss_norm="all_tokens", device="cpu",
+        )  # fmt: skip
+    tokens = sum(chunks)
+    per_chunk = fast_lp.LOW_PRECISION_CHUNKS if bf16 else 1
+    assert tokens > 2 * per_chunk  # several chunks' worth in the one pass
+    last = [tokens % per_chunk] if tokens % per_chunk else []
+    assert chunks == [per_chunk] * (tokens // per_chunk) + last
 
 
 @pytest.mark.parametrize("family", FAMILIES)
