@@ -319,17 +319,23 @@ def overlong_penalty(length, max_new_tokens, buffer):
     return ((max_new_tokens - buffer) - length) / buffer
 
 
-def refill_round(setup, cfg, step, r, rank, world):
+def refill_round(setup, cfg, step, r, rank, world, device, stop):
     """--refill's round r of a step on this rank: its problems (plumbing/data.refill_problems),
-    sampled from seeds of their own and scored, as rollout() returns them."""
+    sampled from seeds of their own and scored, as rollout() returns them; None if any rank was
+    asked to stop (the sampling is abandonable, and every rank agrees after it: with_refills' sums
+    between rounds are collective, so no rank may leave one its peers are in)."""
     problems, _ = refill_problems(setup.train_rows, step, r, rank, world, cfg.examples_per_step,
                                   cfg.seed)  # fmt: skip
     problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-    return rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
-                   cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step, "refill", r),
-                   cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
-                   system_prompt=cfg.system_prompt,
-                   overlong_buffer=cfg.overlong_buffer)  # fmt: skip
+    out = None
+    with stop.abandonable(setup.model):
+        out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                      cfg.temperature, cfg.top_k,
+                      derive_seed(cfg.seed, "rollout", step, "refill", r), cfg.format_weight,
+                      cfg.generate_batch_rows, problem_ids=problem_ids,
+                      system_prompt=cfg.system_prompt,
+                      overlong_buffer=cfg.overlong_buffer)  # fmt: skip
+    return None if stop.requested(device) else out
 
 
 # ---- 4. advantages -------------------------------------------------------------------------------
@@ -359,8 +365,9 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
     problems), up to max_rounds more. The step then trains on its first examples_per_step groups
     with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
     every round's completions (what the step sampled, its metrics' rows), their advantages, which
-    of them train (rows,) bool, and the rounds' counts for the train row. kind: --advantage, which
-    every round's groups take as the first's did."""
+    of them train (rows,) bool, and the rounds' counts for the train row; None if sample_round
+    returned None (a stop, agreed by every rank). kind: --advantage, which every round's groups
+    take as the first's did."""
     rounds = [(out, advantages)]
     while True:
         # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
@@ -371,6 +378,8 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
         if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
             break
         extra = sample_round(len(rounds))
+        if extra is None:
+            return None
         extra_advantages = compute_advantages(torch.tensor(extra["total"]), num_samples, kind)
         rounds.append((extra, extra_advantages))
     # the first examples_per_step groups with signal, in (round, rank, place) order
@@ -681,11 +690,17 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
-        with autocast, fsdp.gathered(model), stop.abandonable(model):
-            out, advantages, trains, refilled = with_refills(
-                out, advantages, lambda r: refill_round(setup, cfg, step, r, rank, world),
-                cfg.examples_per_step, cfg.num_samples, cfg.refill, rank, world, device,
-                cfg.advantage)  # fmt: skip
+
+        def sample_round(r):  # a round's sampling is abandonable, the sums between rounds not
+            return refill_round(setup, cfg, step, r, rank, world, device, stop)
+
+        with autocast, fsdp.gathered(model):
+            refills = with_refills(out, advantages, sample_round, cfg.examples_per_step,
+                                   cfg.num_samples, cfg.refill, rank, world, device,
+                                   cfg.advantage)  # fmt: skip
+        if refills is None:  # a stop came during a round, on some rank
+            return None, None
+        out, advantages, trains, refilled = refills
         refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
             refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
             for r in range(1, refilled["refill_rounds"] + 1)

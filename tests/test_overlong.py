@@ -11,6 +11,7 @@ from calculator import calculate
 from engine import Engine
 from fast.logprobs import sampled_tokens
 from plumbing import checkpoint
+from plumbing.stop import NEVER
 from tasks import arith
 
 # 40 tokens, the last 8 the buffer: the demo model's replies at seed 0 land below it, on its
@@ -115,6 +116,7 @@ def test_a_refill_round_pays_it_too():
     # enter the step's advantages beside the first round's, so they carry the same term
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     setup = SimpleNamespace(
+        model=model,
         engine=Engine(model.eval(), tokenizer, tool=calculate),
         task=arith,
         train_rows=arith.load("train", limit=8),
@@ -124,7 +126,7 @@ def test_a_refill_round_pays_it_too():
         top_k=0, format_weight=0.0, generate_batch_rows=256, system_prompt="",
         overlong_buffer=20,
     )  # fmt: skip
-    out = chat_rl.refill_round(setup, cfg, step=0, r=1, rank=0, world=1)
+    out = chat_rl.refill_round(setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER)
     expected = [written_out(n, BUDGET, 20) for n in out["tokens"]]
     assert any(p < 0 for p in expected), out["tokens"]
     assert out["overlong"] == expected

@@ -24,7 +24,8 @@ TIMING_KEYS = {
 # Runs chat_rl.main in a child process that dies (SIGKILL) or is asked to stop (SIGTERM, SIGINT) at
 # a chosen moment: after a step's metrics row ("metrics"); mid-checkpoint, every file written but
 # not the rename that makes it visible ("save"); or mid-work: at the 3rd position decoded in step
-# `at`'s rollout ("rollout") or in the at-th eval, from 0 ("eval"), in the last layer's backward
+# `at`'s rollout ("rollout"), in the first --refill round from step `at` on ("refill") or in the
+# at-th eval, from 0 ("eval"), in the last layer's backward
 # pass of step `at` ("backward"), or after step `at`'s first update of several ("update").
 # Mid-work it prints, as it exits, when the signal was sent and how
 # many decoder layers' forward or backward passes still ended after it. STOP_RANK: the one rank that
@@ -53,7 +54,7 @@ def counted(function):  # a layer's forward or backward pass, counted if it ends
         state["after"] += state["sent"] is not None
         return result
     return wrapper
-if where in ("rollout", "eval", "backward", "update"):
+if where in ("rollout", "refill", "eval", "backward", "update"):
     problems_for_step, evaluate = chat_rl.problems_for_step, evaluation.evaluate
     optimizer_step = chat_rl.optimizer_step
     next_logits, backward = engine.next_logits, gpt.SwiGLU.backward
@@ -77,7 +78,13 @@ if where in ("rollout", "eval", "backward", "update"):
         if where == "update" and state["phase"] == ("rollout", at):
             send()
         return result
+    refill_round = chat_rl.refill_round
+    def refill_starts(setup, cfg, step, *args):
+        if step >= at and state["sent"] is None:
+            state.update(phase=("refill", at), decoded=0)
+        return refill_round(setup, cfg, step, *args)
     chat_rl.problems_for_step, evaluation.evaluate = step_starts, eval_starts
+    chat_rl.refill_round = refill_starts
     chat_rl.optimizer_step = update
     engine.next_logits, gpt.SwiGLU.backward = decoding, staticmethod(counted(backward_pass))
     gpt.Block.forward = counted(gpt.Block.forward)
@@ -293,6 +300,43 @@ def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, r
     for ours, one_process in zip(rows, reference[0]):  # each problem samples from its own stream
         for key in {"reward", "seq_len", "kept_tokens", "pass@1", "greedy"} & set(one_process):
             assert ours[key] == pytest.approx(one_process[key], rel=1e-5), key
+
+
+def test_a_stop_mid_refill_on_one_rank_stops_both_and_resumes(model_dir, tmp_path):
+    # --refill samples its rounds between collectives (the rounds' signal, summed over ranks): a
+    # stop leaves a round's sampling at once and every rank agrees after it, not a rank leaving
+    # while its peer waits in the sum (a hang) or reading what the left round never returned
+    out, runner = tmp_path / "run", tmp_path / "runner.py"
+    runner.write_text(RUNNER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "STOP_RANK": "0"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    # 2 samples a problem: a group is unanimous half the time, so steps refill
+    refill = [*args(model_dir, out), "--num-samples=2", "--refill=4", "--save-every=1"]
+    stopped = subprocess.run(
+        [*torchrun, str(runner), "refill", "1", "SIGTERM", *refill],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.stderr.count("layer passes after it: 0") == 2  # rank 0 left the round at once
+    assert stopped.stderr.count("signal sent at None") == 1  # rank 1 was never signalled
+    rows = metrics(out)
+    last = max(r["step"] for r in rows if "split" not in r)  # the step the stop left unfinished
+    saved = sorted(d for d in os.listdir(out) if d.startswith("step_"))
+    assert saved[-1] == f"step_{last + 1:06d}" and last + 1 < 5
+    resumed = subprocess.run(
+        [*torchrun, "-m", "chat_rl", *refill, "--resume"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(out) if "split" not in r] == list(range(5))
 
 
 # --kl-beta's reference is the starting model, and --ppo-epochs updates more than once a step
