@@ -377,14 +377,33 @@ def check_state_fits(cfg, world, device, total=None):
     )
     options = []
     if not cfg.lora_rank and not kl:  # LoRA and --kl-beta refuse --fsdp (flags.check_config)
-        whole = sum(state(c).values())  # what --fsdp divides over the ranks
-        gpus = math.ceil(whole / total)
-        options.append(f"--fsdp on at least {gpus} GPUs ({gb(whole / gpus)} each)")
-    lora_state = sum(state(counts(config, 16), False, 1).values())
-    if lora_state <= total and not cfg.lora_rank:
-        options.append(f"--lora-rank=16 ({gb(lora_state)})")
-    fits = " or ".join(options) if options else "a GPU with more memory"
+        for gpus in (2, 4, 8, 16, 32, 64):  # the state's share alone fitting is not enough
+            if fitting := fits(config, cfg, gpus, total, fsdp=True):
+                options.append(f"--fsdp on {gpus} GPUs ({fitting})")
+                break
+    if not cfg.lora_rank and (fitting := fits(config, cfg, world, total, lora_rank=16)):
+        options.append(f"--lora-rank=16 ({fitting})")
+    fits_with = " or ".join(options) if options else "a GPU with more memory"
     raise ConfigError(
-        f"{said}: that fits with {fits}, before activations and the KV cache "
-        f"(python -m scripts.plan_memory plans them)"
+        f"{said}: it fits with {fits_with}, as planned with activations and the KV cache "
+        f"(python -m scripts.plan_memory shows the parts)"
     )
+
+
+# the share of a GPU's memory a suggested setting's planned peak may take: the plan leaves out the
+# CUDA context, NCCL's and cuBLAS's buffers and the allocator's rounding (docs/benchmarks.md)
+PLANNED_SHARE = 0.9
+
+
+def fits(config, cfg, world, total, **flags):
+    """What plan() says of cfg with flags changed on `world` ranks, if its peaks fit PLANNED_SHARE
+    of `total` bytes: "a 61.2 GB peak", "... with --activation-checkpointing" where only that fits;
+    else None."""
+    peaks = plan(config, SimpleNamespace(**{**vars(cfg), **flags}), world).peaks
+    for checkpointing in ("", ", --activation-checkpointing"):
+        peak = max(peaks["rollout"], peaks["training" + checkpointing])
+        if peak <= PLANNED_SHARE * total:
+            return f"a {gb(peak)} peak" + (
+                " with --activation-checkpointing" if checkpointing else ""
+            )
+    return None

@@ -279,11 +279,28 @@ def test_a_state_too_large_for_the_gpu_is_refused_in_one_line_naming_what_fits(t
         memory.check_state_fits(cfg, 1, gpu, total=need / 3)
     message = str(refused.value)
     assert "\n" not in message and "more than the GPU's" in message
-    # 16 bytes a parameter over a third of it: 3 GPUs; LoRA's bf16 base is an eighth of it
-    assert "--fsdp on at least 3 GPUs" in message and "--lora-rank=16 (" in message
-    # --fsdp on 2 GPUs is not enough either, and says so
-    with pytest.raises(ConfigError, match="on at least 3 GPUs"):
-        memory.check_state_fits(run_config(f"--model={path}", "--fsdp"), 2, gpu, total=need / 3)
+    # the GPUs it names are the fewest (a power of 2) on which the plan's peaks fit, not those the
+    # state alone would (2, for 16 bytes a parameter over two thirds of it), with the peak; a run
+    # small enough for the state to weigh (64 rows of 8 tokens, no eval)
+    small = [f"--model={path}", "--max-new-tokens=8", "--eval-every=-1", "--examples-per-step=64"]
+    small += ["--num-samples=1", "--device-batch-size=1", "--generate-batch-rows=1"]
+    config, sharded, total = GPTConfig(**QWEN2_LIKE), run_config(*small, "--fsdp"), need / 1.5
+    with pytest.raises(ConfigError) as refused:
+        memory.check_state_fits(run_config(*small), 1, gpu, total=total)
+    message = str(refused.value)
+
+    def planned(gpus):
+        peaks = memory.plan(config, sharded, gpus).peaks
+        return max(peaks["rollout"], peaks["training, --activation-checkpointing"])
+
+    room = memory.PLANNED_SHARE * total
+    gpus = next(n for n in (2, 4, 8, 16, 32, 64) if planned(n) <= room)
+    assert gpus > 2 and planned(gpus // 2) > room
+    peak = f"a {memory.gb(planned(gpus))} peak with --activation-checkpointing"
+    assert f"--fsdp on {gpus} GPUs ({peak})" in message and "--lora-rank=16 (a " in message
+    # --fsdp on one GPU shards nothing: refused too, with the same way out
+    with pytest.raises(ConfigError, match=f"--fsdp on {gpus} GPUs"):
+        memory.check_state_fits(run_config(*small, "--fsdp"), 1, gpu, total=total)
     memory.check_state_fits(run_config(f"--model={path}", "--fsdp"), 3, gpu, total=need / 3)
     memory.check_state_fits(run_config(f"--model={path}", "--lora-rank=16"), 1, gpu, need / 3)
     memory.check_state_fits(cfg, 1, torch.device("cpu"))  # off CUDA: no check
