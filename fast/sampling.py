@@ -24,8 +24,7 @@ def sample_next_token(logits, u, temperature=1.0, top_k=None, logprobs=False):
     if temperature == 0.0:
         token = logits.argmax(dim=-1)
         return (token, torch.zeros(token.shape, device=token.device)) if logprobs else token
-    # on a GPU one chunk: each would be a dozen kernel launches, and memory is not the limit there
-    rows = logits.size(0) if logits.is_cuda else max(1, ROWS_X_VOCAB // logits.size(-1))
+    rows = chunk_rows(logits.device.type, *logits.shape)
     if logits.size(0) <= rows:
         token, logp = _sample_rows(logits, u, temperature, top_k)
     else:
@@ -35,6 +34,13 @@ def sample_next_token(logits, u, temperature=1.0, top_k=None, logprobs=False):
         ]
         token, logp = (torch.cat(parts) for parts in zip(*chunks))
     return (token, logp) if logprobs else token
+
+
+def chunk_rows(device_type, rows, vocab):
+    """The rows of (rows, vocab) logits sample_next_token takes at once: on a CPU ROWS_X_VOCAB
+    entries' worth; on a GPU all of them, each chunk being a dozen kernel launches there and
+    memory not the limit (plumbing/memory.py plans this)."""
+    return rows if device_type == "cuda" else max(1, ROWS_X_VOCAB // vocab)
 
 
 def drawn_logprob(probs, token):

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from fast.logprobs import LOGITS_PER_CHUNK, LOW_PRECISION_CHUNKS
-from fast.sampling import ROWS_X_VOCAB
+from fast.sampling import chunk_rows
 from plumbing.flags import ConfigError
 from policy import hf_folder, lora
 from policy.gpt import GPT, config_from_hf
@@ -105,13 +105,13 @@ def decode_temporaries(config, prompts, samples, prompt_tokens, new_tokens, voca
     on keys the cache keeps in fp32): the query upcast, scaled and laid out by prompt (three
     copies), the scores, prompt and own, joined for one softmax, its output, that in the values'
     dtype and its prompt part laid out by prompt; the sampler reads the head's (rows, V) bf16
-    logits in fp32 chunks of ROWS_X_VOCAB entries (fast/sampling.sample_next_token)."""
+    logits in fp32, on CUDA all rows at once (fast/sampling.chunk_rows)."""
     rows, heads = prompts * samples, config.num_attention_heads
     query = FP32 * rows * heads * config.head_dim
     scores = FP32 * rows * heads * (prompt_tokens + new_tokens)
     probs = BF16 * rows * heads * (prompt_tokens + new_tokens + prompt_tokens)
     attention = 3 * query + 3 * scores + probs
-    sampler = BF16 * rows * vocab + 3 * FP32 * min(rows * vocab, max(ROWS_X_VOCAB, vocab))
+    sampler = BF16 * rows * vocab + 3 * FP32 * chunk_rows("cuda", rows, vocab) * vocab
     return max(attention, sampler)
 
 

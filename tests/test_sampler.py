@@ -4,6 +4,7 @@ row by row."""
 import pytest
 import torch
 
+from fast import sampling
 from fast.sampling import BLOCK, sample_from_probs, sample_next_token
 
 V = 2 * BLOCK + 88  # two full blocks of the two-level inverse CDF and a partial third one
@@ -121,3 +122,20 @@ def test_with_top_k_a_rows_draw_does_not_depend_on_a_neighbour_tied_at_its_kth()
     assert (
         len(set(together[:, 1].tolist())) == k + 1
     )  # the tied row keeps all k + 1 entries >= its k-th
+
+
+def test_a_gpu_samples_every_row_at_once_and_a_cpu_in_chunks(monkeypatch):
+    # on CUDA each chunk is a dozen kernel launches (20 chunks at 256 rows of a 152k vocabulary);
+    # on a CPU a chunk keeps the softmax's temporaries small and reused
+    assert sampling.chunk_rows("cuda", 256, 151936) == 256
+    assert sampling.chunk_rows("cpu", 256, 151936) == sampling.ROWS_X_VOCAB // 151936 == 13
+    # and the sampler takes its chunks by it: here 3 rows at a time
+    monkeypatch.setattr(sampling, "ROWS_X_VOCAB", 3 * 50)
+    calls, sample_rows = [], sampling._sample_rows
+    monkeypatch.setattr(
+        sampling,
+        "_sample_rows",
+        lambda logits, *a: calls.append(len(logits)) or sample_rows(logits, *a),
+    )
+    sample_next_token(torch.randn(8, 50), torch.rand(8))
+    assert calls == [3, 3, 2]
