@@ -101,8 +101,8 @@ def test_without_autograd_the_loss_is_the_same():
 
 def test_under_bf16_autocast_the_chunked_pass_matches_to_bf16_precision():
     # the GPU path: logits made in bf16 (forward and the backward's recompute alike), NLL in fp32;
-    # the chunked backward runs its matmuls in fp32 where autograd ran them in bf16, so gradients
-    # agree to bf16 precision
+    # the chunked backward's matmuls in bf16 as autograd's, its sums in fp32 where autograd's are
+    # bf16, so gradients agree to bf16 precision
     idx, targets = batch()
     results = []
     for chunked in (True, False):
