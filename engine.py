@@ -271,7 +271,10 @@ class Engine:
         # how often, in positions, the host learns how many rows have finished (to stop, or to
         # compact): each time is a sync that waits for the GPU, so on CUDA every CHECK_EVERY, the
         # rows finished in between decoding on (their tokens discarded). With the calculator on,
-        # every position: a call's result is the row's next token. On a CPU a sync costs nothing.
+        # every position (a call's result is the row's next token, so the host must see each call
+        # before the next position), and once more where a row called (ToolCalls.answer); a row
+        # waiting for its result while the others decode on would need a KV cache of per-row
+        # positions, not built. On a CPU a sync costs nothing. tests/test_engine.py counts them.
         device = model.lm_head.weight.device.type
         self.check_every = check_every or (CHECK_EVERY if device == "cuda" else 1)
         # fast/tool_calls.call_tables of the tokenizer, built at the first call
@@ -401,7 +404,7 @@ class Engine:
                 counts = torch.stack([(length < max_new_tokens).sum(), called.sum()])
                 n_finished, n_called = host_count(counts)  # still one
                 if n_called:
-                    tools.answer(t, called, row_ids, out)
+                    tools.answer(t, called, n_called, row_ids, out)
             if n_finished == n_rows or t == max_new_tokens - 1:
                 break
             n_keep = n_rows - n_finished  # a compaction keeps the running rows

@@ -103,18 +103,20 @@ class ToolCalls:
         called = self.fires[token, before] & running
         return token, forced, called
 
-    def answer(self, t, called, row_ids, out):
+    def answer(self, t, called, n_called, row_ids, out):
         """
-        Run the tool for the rows whose token ended a call at position t (one host sync for all
-        of them): decode each row's text from its call's first '<' (out[s, row] is original row
-        `row`'s token s; row_ids: each batch slot's original row), take what follows the last
-        '<<' up to the '=', and queue the result and '>>' as the row's next tokens.
+        Run the tool for the n_called rows whose token ended a call at position t (one host sync
+        for all of them): decode each row's text from its call's first '<' (out[s, row] is
+        original row `row`'s token s; row_ids: each batch slot's original row), take what follows
+        the last '<<' up to the '=', and queue the result and '>>' as the row's next tokens.
         """
-        slots = called.nonzero()[:, 0]
-        starts, originals = self.opened_at[slots].tolist(), row_ids[slots].tolist()
-        spans = out[: t + 1, row_ids[slots]].T.tolist()
+        # the calling slots first, in order, without nonzero (whose size the host would wait for)
+        slots = torch.argsort((~called).to(torch.uint8), stable=True)[:n_called]
+        # one read for all: each row's slot, its call's first position, original row, tokens
+        table = [slots, self.opened_at[slots], row_ids[slots]]
+        table = torch.cat([torch.stack(table, dim=1), out[: t + 1, row_ids[slots]].T], dim=1)
         answered, queued, queue_lens = [], [], []
-        for slot, start, row, span in zip(slots.tolist(), starts, originals, spans):
+        for slot, start, row, *span in table.tolist():
             text = self.tokenizer.decode(span[start:])
             result = self.tool(text[text.rfind("<<") + 2 : -1])
             self.calls[row] += 1

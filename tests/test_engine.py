@@ -3,10 +3,17 @@ independent rows."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import engine as engine_module
+from calculator import calculate
 from engine import Engine, compaction_moves
+from fast.tool_calls import ToolCalls
+from plumbing.checkpoint import load_policy
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
+from tasks import arith
+from tasks.common import conversation
 
 STOP = 260  # <|assistant_end|> of the byte tokenizer
 
@@ -295,28 +302,67 @@ def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
     assert all(s[-4:] != [0] * 4 for s in before) and all(s[-4:] == [0] * 4 for s in after)
 
 
-def test_on_cuda_the_decode_loop_syncs_with_the_host_once_every_check_every_positions(
+class HostReads(TorchDispatchMode):
+    """Counts what makes the host wait for the device on CUDA, whatever calls it: item(), int(),
+    bool() and the like (_local_scalar_dense), nonzero and boolean masks (sized by the host), and
+    tolist(). reads[i]: those before decode pass i + 1 (engine.next_logits), the last entry those
+    after the last pass."""
+
+    SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal"}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reads = [0]
+        tolist, next_logits = torch.Tensor.tolist, engine_module.next_logits
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: self.read() or tolist(t))
+        monkeypatch.setattr(
+            engine_module, "next_logits", lambda *a: self.reads.append(0) or next_logits(*a)
+        )
+
+    def read(self):
+        self.reads[-1] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCS:
+            self.read()
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_decode_loop_waits_for_the_host_once_every_check_every_positions_without_the_tool(
     model, monkeypatch
 ):
-    # each host sync makes the CPU wait for the GPU: once every Engine.check_every positions
-    # (CUDA's default, engine.CHECK_EVERY), the finished rows decoding on till then; a CPU's
-    # default is every position, where a sync costs nothing
-    import engine as engine_module
-
-    syncs, count = [], engine_module.host_count
-
-    def counted(x):
-        syncs.append(x)
-        return count(x)
-
-    monkeypatch.setattr(engine_module, "host_count", counted)
+    # each host read makes the CPU wait for the GPU: without the calculator, once every
+    # Engine.check_every positions (CUDA's default, engine.CHECK_EVERY), the finished rows decoding
+    # on till then; a CPU's default is every position, where a read costs nothing
     kw = dict(num_samples=3, max_new_tokens=40, temperature=1.0, seed=4)
     every = Engine(model, ByteTokenizer()).generate(PROMPTS, **kw)
     assert Engine(model, ByteTokenizer()).check_every == 1
-    per_position, syncs[:] = len(syncs), []
-    sparse = Engine(model, ByteTokenizer(), check_every=engine_module.CHECK_EVERY).generate(
-        PROMPTS, **kw
+    with torch.no_grad(), HostReads(monkeypatch) as host:
+        sparse = Engine(model, ByteTokenizer(), check_every=engine_module.CHECK_EVERY).generate(
+            PROMPTS, **kw
+        )
+    loop, k = host.reads[:-1], engine_module.CHECK_EVERY  # loop[t]: position t's reads
+    assert len(loop) > 2 * k  # positions ran past two checks
+    assert loop == [int((t + 1) % k == 0) for t in range(len(loop))]  # one read each k positions
+    assert sparse == every  # the rows that finished between two reads are cut where they stopped
+
+
+def test_with_the_calculator_the_decode_loop_reads_once_a_position_and_once_more_for_its_calls(
+    monkeypatch,
+):
+    # the default --tool: a row that writes '<<expr=' needs its result as its next token, so the
+    # host learns at every position which rows called (one read, with the finished count), and
+    # reads the calling rows' text once more where any did (fast/tool_calls.ToolCalls.answer)
+    policy, tokenizer = load_policy("demo_model", "cpu")
+    rows = arith.load("test", 8)
+    prompts = [tokenizer.render_for_completion(conversation(arith, r)) for r in rows]
+    engine = Engine(policy.eval(), tokenizer, tool=calculate, check_every=engine_module.CHECK_EVERY)
+    answered, answer = [], ToolCalls.answer
+    monkeypatch.setattr(
+        ToolCalls, "answer", lambda self, t, *a: answered.append(t) or answer(self, t, *a)
     )
-    assert per_position > engine_module.CHECK_EVERY  # every position ran, stopping late
-    assert len(syncs) <= -(-per_position // engine_module.CHECK_EVERY) + 1
-    assert sparse == every  # the rows that finished between two syncs are cut where they stopped
+    with torch.no_grad(), HostReads(monkeypatch) as host:
+        samples = engine.generate(prompts, 4, 64, 1.0, seed=1)
+    assert sum(samples.tool_calls) > 0 and answered  # rows called the calculator
+    loop = host.reads[:-1]  # loop[t]: position t's reads
+    assert loop == [1 + (t in answered) for t in range(len(loop))]
