@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import chat_rl
 import fast.logprobs as fast_lp
@@ -351,6 +352,39 @@ def test_under_bf16_the_head_takes_its_gradient_in_fewer_larger_chunks(monkeypat
     assert tokens > 2 * per_chunk  # several chunks' worth in the one pass
     last = [tokens % per_chunk] if tokens % per_chunk else []
     assert chunks == [per_chunk] * (tokens // per_chunk) + last
+
+
+def test_under_bf16_a_pass_casts_the_head_once_and_multiplies_by_it_in_bf16(monkeypatch):
+    # an fp32 head under autocast: its bf16 copy made once a pass (not once a chunk: autocast
+    # does not cache a slice's cast), and every matmul that reads the head reads that copy, the
+    # gradient matmuls too (fp32 ones would run without TF32 on a GPU, slower than the forward)
+    sequences, masks, advantages = rollouts(seed=3, num_groups=2)
+    # a head of a shape no other weight has (96 x 32)
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config.update(num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)
+    model = GPT(GPTConfig(**config)).init_weights(0)
+    head = tuple(model.lm_head.weight.shape)
+    monkeypatch.setattr(fast_lp, "LOGITS_PER_CHUNK", head[0])  # a chunk a token: many chunks
+    casts, head_matmuls = [], []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            if name in ("aten::_to_copy", "aten::copy_") and tuple(out.shape) == head:
+                casts.append(out.dtype)
+            if name in ("aten::mm", "aten::addmm_", "aten::addmm") and head[1] in out.shape:
+                if any(tuple(a.shape) in (head, head[::-1]) for a in args if torch.is_tensor(a)):
+                    head_matmuls.append({a.dtype for a in args if torch.is_tensor(a)})
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Watch():
+        chat_rl.policy_gradient_backward(
+            model, sequences, masks, advantages, num_samples=NUM_SAMPLES, device_batch_size=64,
+            loss_norm="all_tokens", device="cpu",
+        )  # fmt: skip
+    assert casts == [torch.bfloat16]  # one pass, one cast
+    assert len(head_matmuls) > 2 and all(dtypes == {torch.bfloat16} for dtypes in head_matmuls)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
