@@ -213,7 +213,8 @@ PRESETS = dict(
 # fmt: on
 # objective()'s flags: train_step() hands it each one's value from the command line as batch.<name>.
 # Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. A
-# flag of your own: its line in HYPERPARAMETERS, its name here.
+# flag of your own: its line in HYPERPARAMETERS, its name here, its bad values refused in
+# plumbing/flags.check_objective (docs/objective.md has the recipe).
 OBJECTIVE_FLAGS = (
     "kl_beta",
     "ppo_epochs",
@@ -251,7 +252,7 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
     # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    N = sum(sampled_tokens(mask) for mask in samples.masks)
+    N = sum(sampled_tokens(mask) for mask in samples.masks)  # logp is 0 off S_i: no mask below
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     return loss.detach(), rewards
@@ -406,7 +407,8 @@ def objective(logp, batch):
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
     the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
     train_step()'s step_values holds what is once a step). Both --logprobs paths take any such
-    function's gradient."""
+    function's gradient; the fast one calls it twice a pass, once on a stand-in for logp (zeros,
+    or old_logp) to guess its gradient (fast/logprobs.Guess): keep it a pure function."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
@@ -738,7 +740,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
                 saved=saved, stats=stats, gaps=gaps)  # fmt: skip
         if epoch == 0 and stop.requested(device):
             return None, None
-        # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros)
+        # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros;
+        # --fsdp's reduce-scatter sums too: plumbing/fsdp.prepare sets its divide factor to 1)
         sync_gradients(model)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
         norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)

@@ -57,7 +57,9 @@ def written_out(
           (old None: - sum_i sum_{t in S_i} A_i logp / N_i)
         + kl_beta sum_i sum_{t in S_i} (exp(ref - logp) - (ref - logp) - 1) / N_i
     N_i as --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
-    policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside)."""
+    policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside). A
+    term linear in logp of your own is written out here by the advantages it amounts to (A_i + your
+    term's weight), without a new branch."""
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     sampled = targets >= 0
     logp = base.direct_logp(policy, inputs, targets, T)
