@@ -2,7 +2,7 @@
 What chat_rl does on a CUDA GPU, checked in one command: the one to run first on a new GPU or a new
 torch.
 
-    python -m scripts.gpu_check 2>&1 | tee gpu_check.txt  # CUDA, Qwen2.5-0.5B shape, ~3-5 min
+    python -m scripts.gpu_check 2>&1 | tee gpu_check.txt  # CUDA, Qwen2.5-0.5B shape, ~5-7 min
     python -m scripts.gpu_check --quick --device-type=cpu  # the same checks, tiny shapes: seconds
     python -m scripts.gpu_check --only=rollout,shared_loss  # some checks (a prefix selects several)
 
@@ -10,6 +10,9 @@ Checks (a model of the Qwen2.5-0.5B shape with random weights; fp32 weights comp
 autocast, as chat_rl runs on CUDA, and on the CPU too, whose autocast has bf16: CI runs the paths a
 GPU will; nothing is downloaded):
     env          device, torch, CUDA, bf16 support
+    run          python -m chat_rl itself on this shape: the calculator on, 768-token replies,
+                 --activation-checkpointing, a checkpoint a step, --resume; two GPUs: torchrun.
+                 A step's time in its parts, its peak memory against the plan (plumbing/memory.py)
     rollout      engine tokens/s, 16 prompts x 16 samples x 256 new tokens, no stop (target >=
                  100,000 on an H200)
     profile      torch.profiler over a few decode passes: wall ms vs GPU-busy ms a step
@@ -28,15 +31,16 @@ GPU will; nothing is downloaded):
     mixed        rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
     gap          the bf16 sampler against the bf16 trainer on the rollout's tokens: the train rows'
                  mismatch_* (chat_rl.sampler_gap), and what --rollout-correction would act on
-(shared_loss to update, the training pass's checks, are in scripts/gpu_check_training.py.) Each
-check runs in its own try/except: a failure prints its one-line error and the next check runs; the
-script ends with a markdown table, then one line per check saying what its result means for a run,
-and exits 1 if any check failed (a missed speed target is reported, not failed). A time limit's
+(shared_loss to update and run, the training pass's checks, are in scripts/gpu_check_training.py.)
+Each check runs in its own try/except: a failure prints its one-line error and the next check runs;
+the script ends with a markdown table, then one line per check saying what its result means for a
+run, and exits 1 if any check failed (a missed speed target is reported, not failed). A time limit's
 SIGTERM cuts off the check under way and the table still prints; no check starts after --budget-s
 seconds (default 480). Expected wall time on an H200 (guessed: nothing here has run on one yet):
-model init ~15 s (random init on the CPU), rollout ~10-30 s (two engine calls), profile ~10 s,
-shared_loss ~10 s, fsdp_loss ~10 s, two_ranks ~40-60 s (each rank builds the model on its CPU), lora
-~10-20 s, update ~10-20 s, mixed ~10-30 s, gap ~10 s: about 2.5-4 minutes in all.
+model init ~15 s (random init on the CPU), run ~2-3 min (two launches of chat_rl, each ~20 s to
+start and ~15 s a checkpoint; two GPUs: one more), rollout ~10-30 s (two engine calls), profile ~10
+s, shared_loss ~10 s, fsdp_loss ~10 s, two_ranks ~40-60 s (each rank builds the model on its CPU),
+lora ~10-20 s, update ~10-20 s, mixed ~10-30 s, gap ~10 s: about 5-7 minutes in all.
 """
 
 import argparse
@@ -56,6 +60,7 @@ from scripts.bench_rl_step import SHAPES, Tokenizer
 from scripts.gpu_check_training import (
     check_fsdp_loss,
     check_lora,
+    check_run,
     check_shared_loss,
     check_two_ranks,
     check_update,
@@ -310,6 +315,7 @@ def error_line(e):
 # (scripts/gpu_check_training.py)
 CHECK_FUNCTIONS = dict(
     env=check_env,
+    run=check_run,
     rollout=check_rollout,
     profile=check_profile,
     shared_loss=check_shared_loss,
@@ -367,6 +373,12 @@ MEANING = {
         "on your model); --rollout-correction=tis costs little if a run's mismatch_past_cap grows",
         "wide": "over 1% of tokens' sampler/trainer ratio is past 2: train with "
         "--rollout-correction=tis",
+    },
+    "run": {
+        "pass": "chat_rl trains, checkpoints and resumes here with the calculator, 768-token "
+        "replies and --activation-checkpointing; the note has a step's parts and its peak memory "
+        "against the plan (python -m scripts.plan_memory for your flags)",
+        "FAIL": f"a chat_rl run fails here: {REPORT}",
     },
     "mixed": {
         "pass": "finished rows leave the batch as fast as the target asks",
