@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from fast.kv_cache import KVCache
-from fast.packed_linear import decode_threads, packed_linears
+from fast.packed_linear import DecodeThreads, packed_linears
 from fast.sampling import sample_next_token
 from fast.tool_calls import ToolCalls, call_tables
 from policy import lora
@@ -339,20 +339,22 @@ class Engine:
         of the row's KV cache, which max_new_tokens sizes, and the budget then bounds the
         sequence the loss runs as well.
         """
-        # on the CPU the large matmuls take their weights packed once for the call, on one thread
-        # under bf16 (fast/packed_linear.py); LoRA's adapters are stacked once for it too
+        # on the CPU the large matmuls take their weights packed once for the call, and under
+        # bf16 a few running rows decode on one thread (fast/packed_linear.py); LoRA's adapters
+        # are stacked once for the call too
         rows, device = len(prompts) * num_samples, self.model.lm_head.weight.device
         with (
             packed_linears(self.model, rows=rows),
-            decode_threads(device),
+            DecodeThreads(device) as threads,
             lora.frozen_adapters(self.model),
         ):
             return self._generate(
-                prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
-            )
+                prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop,
+                threads,
+            )  # fmt: skip
 
     def _generate(
-        self, prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop
+        self, prompts, num_samples, max_new_tokens, temperature, top_k, seed, include_stop, threads
     ):
         """generate's work: parts 1-3 of the class's docstring."""
         model, device = self.model, self.model.lm_head.weight.device
@@ -381,6 +383,7 @@ class Engine:
             tools = ToolCalls(self.tool, self.tokenizer, self.tool_tables, B, device)
             # forced[t, b]: the tool wrote out[t, b]
             forced = torch.zeros(max_new_tokens, B, dtype=torch.bool, device=device)
+        threads.rows(B)
         for t in range(max_new_tokens):
             n_rows = row_ids.size(0)
             token, logp = sample_next_token(logits[:, :vocab], u[t], temperature, top_k, True)
@@ -420,6 +423,7 @@ class Engine:
                 row_ids, length, token, u = row_ids[order], length[order], token[order], u[:, order]
                 # tokens 0..t-1 are in; token t is fed next
                 cache.keep_rows(holes, fillers, row_ids, written=t)
+                threads.rows(n_keep)
                 if tools is not None:
                     tools.keep_rows(order)
             logits = next_logits(model, token, cache)

@@ -19,9 +19,12 @@ samples, packed again at every call since training changes the weights between c
 decode_threads() sets the threads a call samples on. Under bf16 a decode pass on a CPU is a few
 dozen element-wise operations a layer between matmuls that bf16 made 3x shorter, and with torch's
 threads waiting passively (OMP_WAIT_POLICY=PASSIVE, chat_rl's default) each operation split over
-threads pays to wake them, more than the split saves: on one thread the engine sampled SmolLM2-135M
-1.5-1.9x faster at 64 rows and as fast at 256 on a 2-core CPU (docs/benchmarks.md). fp32 keeps its
-threads, and so its numbers.
+threads pays to wake them, more than the split saves at a few rows: on one thread the engine
+sampled SmolLM2-135M's 64 rows 1.5x faster than on two on a 2-core Intel Xeon (1.1-1.7x on an AMD
+EPYC), while at 256 rows one thread was as fast on the Intel and 0.76x on the AMD
+(docs/benchmarks.md). So under bf16 a decode pass of at most BF16_ONE_THREAD_ROWS running rows
+runs on one thread (a call's rows shrink as they finish); the prefill, and fp32 (so its numbers),
+keep their threads.
 """
 
 import platform
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 MIN_WEIGHT = 2**18  # entries of a weight worth packing: 1 MiB in fp32
-BF16_DECODE_THREADS = 1  # a generate call's threads on a CPU under bf16 autocast (decode_threads)
+BF16_ONE_THREAD_ROWS = 128  # a bf16 decode pass of at most this many rows: one thread on a CPU
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -105,16 +108,29 @@ def packed_linears(model, rows=128):
             del linear.forward
 
 
-@contextmanager
-def decode_threads(device):
-    """Within the block, torch runs on at most BF16_DECODE_THREADS threads if it computes in bf16
-    autocast on a CPU (the module's docstring says why); elsewhere nothing changes. On exit the
-    count is what it was."""
-    before = torch.get_num_threads()
-    bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    threads = min(before, BF16_DECODE_THREADS) if device.type == "cpu" and bf16 else before
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+class DecodeThreads:
+    """`with DecodeThreads(device) as threads:` around a generate call, threads.rows(n) before each
+    decode pass of n running rows: one thread for at most BF16_ONE_THREAD_ROWS rows in bf16
+    autocast on a CPU (the module's docstring says why), the count the block began with otherwise
+    and after it; off a CPU and in fp32, nothing changes."""
+
+    def __init__(self, device):
+        bf16 = (
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        )
+        self.on, self.before = device.type == "cpu" and bf16, torch.get_num_threads()
+
+    def rows(self, n):
+        if self.on:
+            self._set(1 if n <= BF16_ONE_THREAD_ROWS else self.before)
+
+    def _set(self, threads):
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self._set(self.before)

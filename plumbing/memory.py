@@ -240,16 +240,17 @@ def head_buffers(config, c, mb):
     return FP32 * (M * C + (V * C if c.head_trained else 0) + M + mb.B * (mb.P + mb.T))
 
 
-def head_temporaries(config, mb, head_fp32):
+def head_temporaries(config, mb, head_fp32, head_trained):
     """Bytes the head's forward pass holds for one chunk of its logits (bf16's chunk:
     fast/logprobs.head_chunk_rows): the fp32 buffer and the chunk's bf16 logits before they are
-    copied in, the chunk's (V, C) bf16 share of the head's gradient before it is added in, and,
-    when the head's weight is fp32 (full fine-tuning under autocast), its bf16 copy, made once a
-    pass for the logits' and the gradients' matmuls (fast/logprobs.matmul_dtype); a bf16 head (a
-    LoRA base, --fsdp's gathered weights) is used as it is."""
+    copied in; a trained head's (V, C) bf16 share of its gradient before it is added in; and, when
+    the head's weight is fp32 (full fine-tuning under autocast), its bf16 copy, made once a pass
+    for the logits' and the gradients' matmuls (fast/logprobs.matmul_dtype); a bf16 head (a LoRA
+    base, --fsdp's gathered weights) is used as it is."""
     V, C = config.vocab_size, config.hidden_size
     rows = min(max(1, LOW_PRECISION_CHUNKS * LOGITS_PER_CHUNK // V), mb.B * mb.T)
-    return (FP32 + BF16) * rows * V + BF16 * V * C + (BF16 * V * C if head_fp32 else 0)
+    product = BF16 * V * C if head_trained else 0
+    return (FP32 + BF16) * rows * V + product + (BF16 * V * C if head_fp32 else 0)
 
 
 def activations(config, c, mb, residual_bytes, checkpointing, lora_rank=0, lora_targets=""):
@@ -328,7 +329,7 @@ def plan(config, cfg, world=1, prompt_tokens=256):
         )
     parts["loss head's buffers"] = head_buffers(config, c, mb)
     head_fp32 = not fsdp and c.head_trained
-    parts["loss head's chunk"] = head_temporaries(config, mb, head_fp32)
+    parts["loss head's chunk"] = head_temporaries(config, mb, head_fp32, c.head_trained)
     training = held + parts["gradients"] + parts["autocast's bf16 copies"]
     training += parts["--fsdp gathered, training"] + parts["loss head's buffers"]
     training += parts["loss head's chunk"]
@@ -377,7 +378,9 @@ def check_state_fits(cfg, world, device, total=None):
     )
     options = []
     if not cfg.lora_rank and not kl:  # LoRA and --kl-beta refuse --fsdp (flags.check_config)
-        for gpus in (2, 4, 8, 16, 32, 64):  # the state's share alone fitting is not enough
+        # the fewest GPUs whose planned peaks fit, not those the state's share alone fits; each a
+        # count --examples-per-step divides (flags.check_config refuses others)
+        for gpus in (n for n in (2, 4, 8, 16, 32, 64) if cfg.examples_per_step % n == 0):
             if fitting := fits(config, cfg, gpus, total, fsdp=True):
                 options.append(f"--fsdp on {gpus} GPUs ({fitting})")
                 break

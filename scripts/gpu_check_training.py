@@ -461,18 +461,30 @@ def check_run(s):
     KV cache a run holds; 24 with --quick), --activation-checkpointing, a checkpoint a step; then
     the last checkpoint removed and the run resumed from the first; on two visible GPUs one step
     under torchrun (NCCL's group as torchrun builds it). Reports a step's time in its parts and
-    its peak memory against plumbing/memory.plan's for the same flags.
+    its peak memory against plumbing/memory.plan's for the same flags. Its folder (the model and
+    checkpoints with AdamW's state: GBs at 0.5B) goes whatever happens.
     """
+    folder = tempfile.mkdtemp(prefix="gpu_check_run_")
+    try:
+        note = run_chat_rl(s, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"  {note}", flush=True)
+    return "pass", note
+
+
+def run_chat_rl(s, folder):
+    """check_run's launches in `folder`: its note, or an error."""
     from plumbing import memory
     from policy.tokenizer import ByteTokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = tempfile.mkdtemp(prefix="gpu_check_run_")
     model_dir, out = os.path.join(folder, "model"), os.path.join(folder, "run")
     # a Qwen2.5 folder: --quick's tiny shape has Qwen3's q/k norms beside the qkv bias, which no
     # checkpoint family has
     config = {**s.config, "qk_norm": False}
-    model = s.model() if config == s.config else GPT(GPTConfig(**config)).init_weights(0)
+    same = GPTConfig(**config) == GPTConfig(**s.config)
+    model = s.model() if same else GPT(GPTConfig(**config)).init_weights(0)
     model.save_pretrained(model_dir)
     ByteTokenizer().save_pretrained(model_dir)
     with open(os.path.join(folder, "reward.py"), "w") as f:
@@ -486,7 +498,8 @@ def check_run(s):
     ] + ([] if s.cuda else ["--dtype=bf16"])  # fmt: skip
 
     def launch(*command, seconds=600):
-        env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
                               timeout=seconds)  # fmt: skip
         if done.returncode != 0:
@@ -525,6 +538,4 @@ def check_run(s):
         plan = memory.plan(GPTConfig(**config), cfg, world=1, prompt_tokens=112).peaks
         planned = max(plan["rollout"], plan["training, --activation-checkpointing"]) / 2**30
         note += f"; peak {row['peak_mem_gb']:.1f} GiB, planned {planned:.1f} GiB"
-    shutil.rmtree(folder, ignore_errors=True)
-    print(f"  {note}", flush=True)
-    return "pass", note
+    return note

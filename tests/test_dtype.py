@@ -142,22 +142,31 @@ def test_under_bf16_the_kv_cache_keeps_its_keys_in_fp32_and_its_values_in_bf16()
     assert {v.dtype for v in cache.prompt_v + cache.v} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_under_bf16_on_a_cpu_the_engine_samples_on_one_thread_and_gives_the_threads_back(bf16):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_under_bf16_on_a_cpu_a_decode_pass_of_few_rows_runs_on_one_thread(monkeypatch, bf16):
+    # bf16: a decode pass of at most BF16_ONE_THREAD_ROWS running rows on one thread, more rows and
+    # the prefill on the threads the call began with; fp32 always on those; given back after it
+    monkeypatch.setattr(packed_linear, "BF16_ONE_THREAD_ROWS", 5)
     model, tokenizer = load_policy("demo_model", "cpu")
     prompts = [tokenizer.render_for_completion(conversation(arith, arith.load("test", 1)[0]))]
-    seen = []  # the threads each forward pass of the call ran on
-    model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    passes = []  # (rows, positions, threads) of each forward pass of the call
+    model.register_forward_pre_hook(
+        lambda _, args: passes.append((*args[0].shape, torch.get_num_threads()))
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            Engine(model.eval(), tokenizer).generate(prompts, 2, 4)
+            Engine(model.eval(), tokenizer).generate(prompts, 8, 40, 1.0, seed=1)
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    assert set(seen) == {packed_linear.BF16_DECODE_THREADS if bf16 else 2}  # fp32: as it was
-    assert after == 2
+    prefill, decode = passes[0], passes[1:]
+    assert prefill[2] == 2 and after == 2
+    # the 8 rows finished at different positions: passes of more and of fewer than 5 rows
+    assert {rows > 5 for rows, _, _ in decode} == {True, False}
+    for rows, _, threads in decode:
+        assert threads == (1 if bf16 and rows <= 5 else 2), (rows, threads)
 
 
 def test_resume_refuses_a_checkpoint_of_another_dtype(tmp_path, capsys):

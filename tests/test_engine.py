@@ -304,11 +304,13 @@ def test_autocasts_copies_do_not_outlive_the_block_an_update_comes_after():
 
 class HostReads(TorchDispatchMode):
     """Counts what makes the host wait for the device on CUDA, whatever calls it: item(), int(),
-    bool() and the like (_local_scalar_dense), nonzero and boolean masks (sized by the host), and
-    tolist(). reads[i]: those before decode pass i + 1 (engine.next_logits), the last entry those
-    after the last pass."""
+    bool() and the like (_local_scalar_dense), nonzero, boolean masks and unique (sized by the
+    host), repeat_interleave (sized by it unless told), and tolist(). Not seen on a CPU: a copy
+    to the host (.cpu(), which is no copy there). reads[i]: those before decode pass i + 1
+    (engine.next_logits), the last entry those after the last pass."""
 
     SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal"}
+    SYNCS |= {"aten::_unique2", "aten::unique_consecutive", "aten::repeat_interleave"}
 
     def __init__(self, monkeypatch):
         super().__init__()

@@ -364,7 +364,7 @@ def test_under_bf16_a_pass_casts_the_head_once_and_multiplies_by_it_in_bf16(monk
     config.update(num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)
     model = GPT(GPTConfig(**config)).init_weights(0)
     head = tuple(model.lm_head.weight.shape)
-    monkeypatch.setattr(fast_lp, "LOGITS_PER_CHUNK", head[0])  # a chunk a token: many chunks
+    monkeypatch.setattr(fast_lp, "LOGITS_PER_CHUNK", head[0])  # 8 tokens a bf16 chunk: several
     casts, head_matmuls = [], []
 
     class Watch(TorchDispatchMode):
