@@ -266,34 +266,31 @@ def test_a_repeat_within_a_second_is_one_stop_and_a_later_one_kills_at_once(mode
     assert not os.path.exists(tmp_path / "2.0" / "step_000002")
 
 
-def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, reference, tmp_path):
-    # rank 1 is never signalled and ends its rollout; the ranks agree after it and both leave step 2
-    out, runner = tmp_path / "run", tmp_path / "runner.py"
+def two_ranks(tmp_path, argv, stop=(), timeout=300):
+    """torchrun --nproc_per_node=2 on this CPU: chat_rl with argv, or, given stop (where, at, sig),
+    RUNNER sending that stop to rank 0 alone."""
+    runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "STOP_RANK": "0"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    program = [str(runner), *map(str, stop)] if stop else ["-m", "chat_rl"]
+    return subprocess.run(
+        [*torchrun, *program, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def test_a_stop_sent_to_one_rank_stops_both_at_one_step_and_resumes(model_dir, reference, tmp_path):
+    # rank 1 is never signalled and ends its rollout; the ranks agree after it and both leave step 2
+    out = tmp_path / "run"
     two = [*args(model_dir, out), "--examples-per-step=2", "--save-every=-1"]
-    stopped = subprocess.run(
-        [*torchrun, str(runner), "rollout", "2", "SIGTERM", *two],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stopped = two_ranks(tmp_path, two, stop=("rollout", 2, "SIGTERM"))
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     # rank 0 left its rollout at once; rank 1, never signalled, sent nothing
     assert stopped.stderr.count("layer passes after it: 0") == 2
     assert stopped.stderr.count("signal sent at None") == 1
     assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000002"]
-    resumed = subprocess.run(
-        [*torchrun, "-m", "chat_rl", *two, "--resume"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = two_ranks(tmp_path, [*two, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, steps = metrics(out), lambda rows: [(r["step"], r.get("split")) for r in rows]
     assert steps(rows) == steps(reference[0])
@@ -306,20 +303,10 @@ def test_a_stop_mid_refill_on_one_rank_stops_both_and_resumes(model_dir, tmp_pat
     # --refill samples its rounds between collectives (the rounds' signal, summed over ranks): a
     # stop leaves a round's sampling at once and every rank agrees after it, not a rank leaving
     # while its peer waits in the sum (a hang) or reading what the left round never returned
-    out, runner = tmp_path / "run", tmp_path / "runner.py"
-    runner.write_text(RUNNER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "STOP_RANK": "0"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = tmp_path / "run"
     # 2 samples a problem: a group is unanimous half the time, so steps refill
     refill = [*args(model_dir, out), "--num-samples=2", "--refill=4", "--save-every=1"]
-    stopped = subprocess.run(
-        [*torchrun, str(runner), "refill", "1", "SIGTERM", *refill],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    stopped = two_ranks(tmp_path, refill, stop=("refill", 1, "SIGTERM"), timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert stopped.stderr.count("layer passes after it: 0") == 2  # rank 0 left the round at once
     assert stopped.stderr.count("signal sent at None") == 1  # rank 1 was never signalled
@@ -327,14 +314,7 @@ def test_a_stop_mid_refill_on_one_rank_stops_both_and_resumes(model_dir, tmp_pat
     last = max(r["step"] for r in rows if "split" not in r)  # the step the stop left unfinished
     saved = sorted(d for d in os.listdir(out) if d.startswith("step_"))
     assert saved[-1] == f"step_{last + 1:06d}" and last + 1 < 5
-    resumed = subprocess.run(
-        [*torchrun, "-m", "chat_rl", *refill, "--resume"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = two_ranks(tmp_path, [*refill, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(out) if "split" not in r] == list(range(5))
 
