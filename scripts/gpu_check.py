@@ -5,10 +5,11 @@ torch.
     python -m scripts.gpu_check 2>&1 | tee gpu_check.txt  # CUDA, Qwen2.5-0.5B shape, ~5-7 min
     python -m scripts.gpu_check --quick --device-type=cpu  # the same checks, tiny shapes: seconds
     python -m scripts.gpu_check --only=rollout,shared_loss  # some checks (a prefix selects several)
+    python -m scripts.gpu_check --shape=smollm2-135m  # another model's shape (bench_rl_step.SHAPES)
 
-Checks (a model of the Qwen2.5-0.5B shape with random weights; fp32 weights computing in bf16 under
-autocast, as chat_rl runs on CUDA, and on the CPU too, whose autocast has bf16: CI runs the paths a
-GPU will; nothing is downloaded):
+Checks (a model of the Qwen2.5-0.5B shape, or --shape's, with random weights; fp32 weights
+computing in bf16 under autocast, as chat_rl runs on CUDA, and on the CPU too, whose autocast has
+bf16: CI runs the paths a GPU will; nothing is downloaded):
     env          device, torch, CUDA, bf16 support
     run          python -m chat_rl itself on this shape: the calculator on, 768-token replies,
                  --activation-checkpointing, a checkpoint a step, --resume; two GPUs: torchrun.
@@ -86,7 +87,7 @@ class Setup:
     """What every check shares: the device, the shapes of its batches, one random model, and its
     clock and verdicts."""
 
-    def __init__(self, device_type, quick):
+    def __init__(self, device_type, quick, shape="qwen2.5-0.5b"):
         self.device, self.cuda, self.quick, self.built = (
             torch.device(device_type),
             device_type == "cuda",
@@ -94,9 +95,7 @@ class Setup:
             None,
         )
         self.config = (
-            dict(bench_rollout.CONFIGS["tiny"], attention_bias=True)
-            if quick
-            else SHAPES["qwen2.5-0.5b"]
+            dict(bench_rollout.CONFIGS["tiny"], attention_bias=True) if quick else SHAPES[shape]
         )
         # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each
         # (mixed: stops from min_len)
@@ -431,6 +430,9 @@ def main(argv=None):
         "--quick", action="store_true", help="tiny shapes: a smoke run of every check in seconds"
     )
     p.add_argument(
+        "--shape", default="qwen2.5-0.5b", choices=list(SHAPES), help="the random model's shape"
+    )
+    p.add_argument(
         "--only",
         default="",
         help="comma-separated checks: " + ", ".join(CHECKS) + " (a prefix selects several)",
@@ -448,8 +450,8 @@ def main(argv=None):
         p.error(f"unknown checks {unknown}; known: {CHECKS}")
     started = time.time()
     torch.manual_seed(0)
-    s = Setup(args.device_type, args.quick)
-    shape = "tiny (bench_rollout 'tiny' + qkv bias)" if args.quick else "qwen2.5-0.5b"
+    s = Setup(args.device_type, args.quick, args.shape)
+    shape = "tiny (bench_rollout 'tiny' + qkv bias)" if args.quick else args.shape
     print(
         f"gpu_check: device {args.device_type}, shape {shape}, fp32 weights under bf16 autocast",
         flush=True,

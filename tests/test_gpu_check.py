@@ -3,7 +3,11 @@ LoRA base; two gloo ranks where a GPU machine has two NCCL ones): every check st
 so that the command meant for a GPU has run before it first meets one, and each result comes with
 the line that says what it means."""
 
+import pytest
+import torch
+
 from scripts import gpu_check
+from scripts.bench_rl_step import update_against_floor
 
 
 def test_quick_cpu_run_passes_every_check(capsys):
@@ -22,3 +26,14 @@ def test_quick_cpu_run_passes_every_check(capsys):
     meanings = table.split("what this means for a run here:\n", 1)[1].splitlines()
     for line, (check, result) in zip(meanings, rows.items(), strict=True):
         assert line == f"  {check}: {result}: {gpu_check.meaning(check, result)}"
+
+
+def test_the_update_floor_prices_every_matmul_at_the_updates_own_precision():
+    # the head's gradient matmuls run in bf16 under autocast too (fast/logprobs.add_chunk_grads):
+    # priced at fp32's rate (without TF32 on a GPU), the floor would hide their own cost
+    work = dict(weight_flops=2 * 64**3, attention_flops=0)
+    for dtype in (torch.bfloat16, torch.float32):
+        _, floor, rates = update_against_floor(lambda: None, work, torch.device("cpu"), dtype, n=64)
+        assert list(rates) == [dtype] and floor == pytest.approx(
+            work["weight_flops"] / rates[dtype]
+        )
