@@ -407,8 +407,9 @@ def objective(logp, batch):
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
     the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
     train_step()'s step_values holds what is once a step). Both --logprobs paths take any such
-    function's gradient; the fast one calls it twice a pass, once on a stand-in for logp (zeros,
-    or old_logp) to guess its gradient (fast/logprobs.Guess): keep it a pure function."""
+    function's gradient; the fast one calls it more than once a pass, on a stand-in for logp
+    (zeros, or old_logp; after a miss, the pass's own) to guess its gradient (fast/logprobs.Guess):
+    keep it a pure function."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
@@ -531,7 +532,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
     # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
     # makes the head's gradients in the forward pass, and again should the guess miss. So
-    # objective() runs twice a pass, on a stand-in for logp and on logp: keep it a pure function
+    # objective() runs more than once a pass, on a stand-in for logp (after a miss: on the pass's
+    # own log-probs, a chunk of the head at a time) and on logp: keep it a pure function
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     # one autocast block over every pass: each weight is cast to bf16 once for all of them
     # (autocast keeps its casts until its outermost block ends), not once a pass

@@ -15,7 +15,9 @@ to plain_logprobs by tests/test_fast_logprobs.py. What it does differently, and 
 
 Guess makes loss_grad from chat_rl.objective itself: exact for a loss linear in the log-probs (the
 default), whose head is then projected once; for another (a KL term, a ratio) the backward pass
-finds the guess wrong and projects again, as token_nll does: any objective gets its own gradient.
+finds the guess wrong and projects again, as token_nll does, and the later passes take the
+objective's gradient at their own log-probs, a chunk at a time: any objective gets its own
+gradient, and one whose tokens' gradients read their own log-probs alone keeps the saving.
 token_nll (ChunkedNLL) is the same chunked head for gpt.GPT.forward's per-token NLL (supervised
 training), whose gradient is not known in advance: its backward pass projects each chunk again.
 micro_batches orders the rows and bounds those of one pass; RolloutLogprobs keeps their
@@ -72,10 +74,12 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     plain_logprobs: inputs, targets (B, T) as make_batch lays them out -> logp (B, T) fp32, the
     log-probability under softmax(logits / temperature) of each target, 0 where targets is -1,
     the softmax over the head's first vocab_size rows (None: all of them).
-    loss_grad (B, T): a guess of the gradient the loss will send back to logp (Guess). Given, the
-    head's gradients are made for it in the forward pass, handed over if the gradient that arrives
-    is that one, made again for the one that arrives if not; None: the head is projected again in
-    the backward pass (token_nll).
+    loss_grad (B, T): a guess of the gradient the loss will send back to logp (Guess), or a function
+    making it from logp (B, T) itself, called a chunk at a time with the log-probs made so far (0
+    where not yet), whose `made` attribute then holds the guess it gave, (B, T). Given, the head's
+    gradients are made for it in the forward pass, handed over if the gradient that arrives is that
+    one, made again for the one that arrives if not; None: the head is projected again in the
+    backward pass (token_nll).
     """
     prefix_ids, prefix_lengths, row_prefix, own_inputs, own_targets = make_shared_batch(
         inputs, targets
@@ -91,11 +95,23 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     chunk = head_chunk_rows(weight)
     if loss_grad is None:
         logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
-    else:
+        return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
+    if not callable(loss_grad):
         logp = SampledLogprobs.apply(
             h, weight, targets[sampled], loss_grad[sampled], chunk, float(temperature)
         )
-    return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
+        return laid_out(logp, sampled)
+    # of logp (B, T): SampledLogprobs calls it with its (N,) sampled ones, filling `made` (N,)
+    at, made = loss_grad, torch.empty(h.size(0), device=h.device)
+    per_token = (lambda logp: at(laid_out(logp, sampled))[sampled], made)
+    logp = SampledLogprobs.apply(h, weight, targets[sampled], per_token, chunk, float(temperature))
+    at.made = laid_out(made, sampled)
+    return laid_out(logp, sampled)
+
+
+def laid_out(values, sampled):
+    """(N,) values of the sampled positions, in targets[sampled]'s order -> (B, T), 0 elsewhere."""
+    return torch.zeros(sampled.shape, device=sampled.device).masked_scatter(sampled, values)
 
 
 # the head projects at most this many logits at once (each chunk's buffer: 4 bytes each), or
@@ -263,10 +279,15 @@ class SampledLogprobs(torch.autograd.Function):
     logits a second time, a third of the head's matmul work; this costs the gradient buffers
     from the forward pass on (grad_h the size of h; the head's (V, C), which the backward pass
     makes anyway) and h itself, kept for the case below.
-    backward: the gradients made in the forward pass, if the incoming gradient is exactly loss_grad
-    (as it is for a loss linear in logp, whose gradient is the same everywhere); if not, those are
-    dropped and the incoming one's made as ChunkedNLL's backward makes them, from h and the
-    log-sum-exp: never a wrong gradient, at the cost of the head's matmuls once more.
+    loss_grad may also be (a function from the log-probs (N,) made so far, 0 for the chunks still to
+    come, to the gradient (N,); a buffer (N,)): the function is called once a chunk for that
+    chunk's share, which goes into the buffer. Exact for a loss whose gradient at a token reads
+    that token's log-prob alone (a KL term, PPO's clip, a rollout correction), which a guess at a
+    stand-in misses.
+    backward: the gradients made in the forward pass, if the incoming gradient is exactly the one
+    they were made for (as it is for a loss linear in logp, whose gradient is the same everywhere);
+    if not, those are dropped and the incoming one's made as ChunkedNLL's backward makes them, from
+    h and the log-sum-exp: never a wrong gradient, at the cost of the head's matmuls once more.
     """
 
     @staticmethod
@@ -275,7 +296,9 @@ class SampledLogprobs(torch.autograd.Function):
         grad_w = (
             torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
         )
-        logp, lse = torch.empty(h.size(0), device=h.device), torch.empty(h.size(0), device=h.device)
+        # logp 0 before its chunk is made: what a per-token loss_grad reads of the chunks to come
+        logp, lse = torch.zeros(h.size(0), device=h.device), torch.empty(h.size(0), device=h.device)
+        made = loss_grad if torch.is_tensor(loss_grad) else loss_grad[1]
         # one (chunk, V) buffer for every chunk's logits: a fresh one per chunk would cost its
         # allocation each time
         buffer = torch.empty(min(chunk, h.size(0)), weight.size(0), device=h.device)
@@ -296,12 +319,14 @@ class SampledLogprobs(torch.autograd.Function):
             total = exp.sum(dim=-1)
             logp[rows] = target_logits - top - total.log()
             lse[rows] = top + total.log()
+            if not torch.is_tensor(loss_grad):  # this chunk's share, at its own log-probs
+                made[rows] = loss_grad[0](logp)[rows]
             # d (sum g logp) / d z = -(softmax - onehot) g / T: add_chunk_grads' NLL gradient
             # with scale -g / T
             add_chunk_grads(
                 exp,
                 targets[rows],
-                -loss_grad[rows] / temperature,
+                -made[rows] / temperature,
                 h[rows],
                 mm_weight,
                 None if grad_h is None else grad_h[rows],
@@ -309,7 +334,7 @@ class SampledLogprobs(torch.autograd.Function):
                 total=total,
             )
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.grads, ctx.loss_grad = (grad_h, grad_w), loss_grad
+        ctx.grads, ctx.loss_grad = (grad_h, grad_w), made
         ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, autocast
         return logp
 
@@ -346,20 +371,34 @@ class Guess:
     objective itself: autograd's gradient of objective(x, batch) at a stand-in x for the log-probs
     about to be computed (the sampling policy's, batch.old_logp, where the batch has them; else
     zeros). For an objective linear in logp, chat_rl's default, that is its gradient at every x,
-    so the guess is exact to the bit. For another it misses and SampledLogprobs makes the
-    gradients again; watch() sees the miss, and the passes after it are told no guess (the head
-    projected again in their backward pass, less work than a forward pass's gradients thrown away).
+    so the guess is exact to the bit. For another (a KL term, PPO's clip at a moved policy, a
+    rollout correction) it misses and SampledLogprobs makes the gradients again; watch() sees the
+    miss, and the passes after it are told the objective's gradient as a function of the log-probs
+    themselves, which SampledLogprobs takes a chunk at a time: exact where a token's gradient reads
+    its own log-prob alone, as all of chat_rl's do. Should that miss too (a term over a whole
+    sequence), the passes after it are told no guess (the head projected again in their backward
+    pass, less work than a forward pass's gradients thrown away).
     """
 
     def __init__(self, objective):
-        self.objective, self.missed = objective, False
+        self.objective, self.misses = objective, 0
 
     def __call__(self, batch):
-        if self.missed:
-            return None
-        x = batch.old_logp
-        if x is None:
-            x = torch.zeros(batch.sampled.shape, device=batch.sampled.device)
+        if self.misses == 0:  # at a stand-in
+            x = batch.old_logp
+            if x is None:
+                x = torch.zeros(batch.sampled.shape, device=batch.sampled.device)
+            return self.gradient(x, batch)
+        if self.misses == 1:  # at the log-probs themselves, as the pass makes them
+
+            def at(logp):
+                return self.gradient(logp, batch)
+
+            return at
+        return None
+
+    def gradient(self, x, batch):
+        """d objective(x, batch) / dx (B, T), x taken as a constant."""
         x = x.detach().requires_grad_()
         with torch.enable_grad():
             loss, _ = self.objective(x, batch)
@@ -376,10 +415,14 @@ class Guess:
         return self.watch(logp, loss_grad)
 
     def watch(self, logp, guess):
-        """logp, on which a hook compares the gradient that arrives with the guess."""
+        """logp, on which a hook compares the gradient that arrives with the guess (one made from
+        the log-probs: what it made, a chunk at a time; plain_logprobs uses none, so none is
+        compared)."""
 
         def compare(grad):
-            self.missed = self.missed or not torch.equal(grad, guess)
+            expected = getattr(guess, "made", None) if callable(guess) else guess
+            if expected is not None:
+                self.misses += not torch.equal(grad, expected)
 
         if guess is not None and logp.requires_grad:
             logp.register_hook(compare)

@@ -293,16 +293,42 @@ def test_in_the_first_epoch_the_ratio_is_exactly_1_and_the_gradient_the_policy_g
     torch.testing.assert_close(saved.get("old_logp", rows), expected)
 
 
-def test_after_the_first_miss_the_fast_path_is_told_no_guess_in_that_pass(monkeypatch):
+@pytest.mark.parametrize("objective", ["clip", "kl", "tis", "sequence"])
+def test_after_the_first_miss_the_fast_path_is_told_the_gradient_at_the_log_probs(
+    monkeypatch, objective
+):
     # the second epoch's guess (its gradient at ratio 1) misses on the first micro-batch, whose
-    # gradients the fast path makes again; the later ones, told no guess, project the head once more
+    # gradients the fast path makes again (the head projected once more); the later ones are told
+    # the objective's gradient as a function of the log-probs, which the fast path takes a chunk
+    # at a time: exact for a token's gradient that reads its own log-prob alone (the clip, k3, the
+    # rollout correction), so nothing is made again. A term over a whole sequence misses that too,
+    # and the passes after it are told no guess
     sequences, masks, advantages = step_zero()
-    told = []
+    told, remade, nll_grads = [], [], fast.nll_grads
+    monkeypatch.setattr(fast, "nll_grads", lambda *a: remade.append(len(told)) or nll_grads(*a))
+    monkeypatch.setattr(fast, "LOGITS_PER_CHUNK", 2 * base.V)  # 2 tokens a chunk: many a pass
 
     def counted(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
-        told.append(loss_grad is not None)
+        if torch.is_grad_enabled():  # a pass of the policy's, not --kl-beta's reference's
+            kind = "function" if callable(loss_grad) else "tensor" if loss_grad is not None else ""
+            told.append(kind)
         return fast.fast_logprobs(model, inputs, targets, temperature, loss_grad, vocab_size)
 
+    opts, frozen = {}, {}
+    if objective == "kl":
+        opts = dict(kl_beta=0.1)
+        frozen = dict(reference=frozen_model(moved(base.small_model(), seed=3)))
+    if objective == "tis":
+        opts = dict(rollout_correction="tis", rollout_cap=1.2)
+        frozen = dict(sampler_logp=[[-1.0] * len(s) for s in sequences])  # a sampler far off
+    if objective == "sequence":  # a sequence's mean log-prob squared: every token reads its row's
+        objective_ = chat_rl.objective
+
+        def sequence_term(logp, batch):
+            loss, stats = objective_(logp, batch)
+            return loss + ((logp * batch.sampled).sum(dim=1) ** 2).sum() * 1e-3, stats
+
+        monkeypatch.setattr(chat_rl, "objective", sequence_term)
     two_epochs(
         base.small_model(),
         moved(base.small_model()),
@@ -312,8 +338,20 @@ def test_after_the_first_miss_the_fast_path_is_told_no_guess_in_that_pass(monkey
         "all_tokens",
         counted,
         batch_rows=2,
+        opts=opts,
+        **frozen,
     )
-    assert told == [True] * 3 + [True, False, False]  # 6 kept rows, 2 a pass: 3 passes an epoch
+    # n passes an epoch, each epoch a guess of its own: at ratio 1 the first epoch's holds for the
+    # clip and misses at once for k3 and the correction; the second's misses for all. remade:
+    # the passes (from 1) whose head's gradients were made again in their backward pass
+    n = len(told) // 2
+    one = {"clip": ["tensor"] * n, "sequence": ["tensor", "function"] + [""] * (n - 2)}
+    epoch = ["tensor"] + ["function"] * (n - 1)
+    assert told == one.get(objective, epoch) + (
+        one["sequence"] if objective == "sequence" else epoch
+    )
+    first = {"clip": [], "sequence": list(range(1, n + 1))}.get(objective, [1])
+    assert remade == first + [p + n for p in (first if objective == "sequence" else [1])]
 
 
 # ---- LoRA: the reference is the base, its adapters off -------------------------------------------
