@@ -406,13 +406,16 @@ def objective(logp, batch):
     before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
     the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
-    train_step()'s step_values holds what is once a step). Both --logprobs paths take any such
-    function's gradient; the fast one calls it more than once a pass, on a stand-in for logp
-    (zeros, or old_logp; after a miss, the pass's own) to guess its gradient (fast/logprobs.Guess):
-    keep it a pure function."""
+    train_step()'s step_values holds what is once a step). Both --logprobs paths send the weights
+    exactly autograd's gradient of this function. The fast one calls it more than once a pass, on a
+    stand-in for logp (zeros, or old_logp; after a miss, the pass's own) to guess that gradient
+    (fast/logprobs.Guess), and its backward pass compares the one that arrives with the guess bit
+    for bit, making the head's gradients again if they differ (SampledLogprobs.backward; held by
+    tests/test_fast_logprobs.py and test_plain_step.py): keep it a pure function."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
-    old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # the sampling weights'
+    # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
+    old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
     correction = rollout_weight(old_logp, batch)  # 1, unless --rollout-correction
     stats = {}
     if batch.ppo_epochs == 1:  # REINFORCE, linear in logp: a sampled token's weight is -A_i / N_i
