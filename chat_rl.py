@@ -491,7 +491,7 @@ def normaliser(tokens, kept, loss_norm, device):
     """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks): the
     docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: its rows'. The
     second is one number under every --loss-norm (kept_tokens' N, all tokens under --kl-beta): the
-    train row's kept_tokens, what its per-token stats divide by, 0 when the update is skipped."""
+    train row's kept_tokens, what its per-token stats divide by; 0 skips the update."""
     counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
     N = {
