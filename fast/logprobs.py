@@ -94,8 +94,7 @@ def fast_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_siz
     weight = model.lm_head.weight[:vocab_size]
     chunk = head_chunk_rows(weight)
     if loss_grad is None:
-        logp = -token_nll(h, weight, targets[sampled], chunk, temperature)
-        return torch.zeros(targets.shape, device=targets.device).masked_scatter(sampled, logp)
+        return laid_out(-token_nll(h, weight, targets[sampled], chunk, temperature), sampled)
     if not callable(loss_grad):
         logp = SampledLogprobs.apply(
             h, weight, targets[sampled], loss_grad[sampled], chunk, float(temperature)

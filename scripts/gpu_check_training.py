@@ -489,11 +489,13 @@ def run_chat_rl(s, folder):
     ByteTokenizer().save_pretrained(model_dir)
     with open(os.path.join(folder, "reward.py"), "w") as f:
         f.write(RUN_REWARD)
+    problems, samples = 4, 8  # a step's rows: problems x samples
     argv = [
         f"--model={model_dir}", f"--out-dir={out}", f"--device-type={s.device.type}",
         "--data=examples/train.jsonl", "--prompt-column=problem", "--answer-column=target",
         f"--reward={os.path.join(folder, 'reward.py')}:reward", "--eval-every=-1",
-        "--num-steps=2", "--save-every=1", "--examples-per-step=4", "--num-samples=8",
+        "--num-steps=2", "--save-every=1", f"--examples-per-step={problems}",
+        f"--num-samples={samples}",
         f"--max-new-tokens={24 if s.quick else 768}", "--activation-checkpointing",
     ] + ([] if s.cuda else ["--dtype=bf16"])  # fmt: skip
 
@@ -518,15 +520,15 @@ def run_chat_rl(s, folder):
     launch(sys.executable, "-m", "chat_rl", *argv, "--resume")
     resumed = train_rows()
     assert [r["step"] for r in resumed] == [0, 1], resumed
-    same = resumed[1]["reward"] == first[1]["reward"]
-    note = f"2 steps, resumed from step 1 ({'the same' if same else 'another'} step-1 reward)"
+    repeated = resumed[1]["reward"] == first[1]["reward"]
+    note = f"2 steps, resumed from step 1 ({'the same' if repeated else 'another'} step-1 reward)"
     if s.cuda and torch.cuda.device_count() >= 2:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         launch(*torchrun, "--nproc_per_node=2", "-m", "chat_rl", *argv,
                f"--out-dir={out}-2ranks", "--num-steps=1")  # fmt: skip
         note += "; 1 step on 2 GPUs under torchrun"
     row = first[1]
-    rollout_s = row["seq_len"] * 4 * 8 / row["rollout_tokens_per_s"]
+    rollout_s = row["seq_len"] * problems * samples / row["rollout_tokens_per_s"]
     note += (
         f"; step 1: {row['step_time_s']:.1f} s, rollout {rollout_s:.1f} s "
         f"({row['rollout_tokens_per_s']:,.0f} tok/s, {row['seq_len']:.0f} tokens a reply), "
