@@ -33,7 +33,8 @@ bf16: CI runs the paths a GPU will; nothing is downloaded):
     mixed        rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
     gap          the bf16 sampler against the bf16 trainer on the rollout's tokens: the train rows'
                  mismatch_* (chat_rl.sampler_gap), and what --rollout-correction would act on
-(shared_loss to update and run, the training pass's checks, are in scripts/gpu_check_training.py.)
+(shared_loss to update, the training pass's checks, are in scripts/gpu_check_training.py; run in
+scripts/gpu_check_run.py.)
 Each check runs in its own try/except: a failure prints its one-line error and the next check runs;
 the script ends with a markdown table, then one line per check saying what its result means for a
 run, and exits 1 if any check failed (a missed speed target is reported, not failed). A time limit's
@@ -60,10 +61,10 @@ from engine import Engine
 from policy.gpt import GPT, GPTConfig
 from scripts import bench_mixed_lengths, bench_rollout
 from scripts.bench_rl_step import SHAPES, Tokenizer
+from scripts.gpu_check_run import check_run
 from scripts.gpu_check_training import (
     check_fsdp_loss,
     check_lora,
-    check_run,
     check_shared_loss,
     check_two_ranks,
     check_update,
@@ -335,8 +336,8 @@ def error_line(e):
     return f"{type(e).__name__}: {message}{at}"
 
 
-# every check in the order they run: the engine's, then the training pass's
-# (scripts/gpu_check_training.py)
+# every check in the order they run: env, chat_rl's own run (scripts/gpu_check_run.py), the
+# engine's, then the training pass's (scripts/gpu_check_training.py)
 CHECK_FUNCTIONS = dict(
     env=check_env,
     run=check_run,
