@@ -394,11 +394,12 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
-    """One micro-batch's share of the loss L, and its stats: what a fork edits (an entropy bonus,
-    GSPO's ratio, ...). Every (B, T) tensor is laid out as fast/logprobs.make_batch lays out the
-    targets: column t holds token t + 1 of a row (B rows, T the longest row's length - 1): a row
-    p0 p1 c0 c1 (prompt p, completion c) has targets -1 c0 c1, sampled F T T, and logp[i, 1] is
-    log p(c0 | p0 p1); a per-token term from a mask or sequence index t reads column t - 1.
+    """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
+    penalty per token, ...; docs/objective.md has the recipe). Every (B, T) tensor is laid out as
+    fast/logprobs.make_batch lays out the targets: column t holds token t + 1 of a row (B rows, T
+    the longest row's length - 1): a row p0 p1 c0 c1 (prompt p, completion c) has targets
+    -1 c0 c1, sampled F T T, and logp[i, 1] is log p(c0 | p0 p1); a per-token term from a mask or
+    sequence index t reads column t - 1.
     logp (B, T): the policy's log-probs of the rows' tokens, 0 where not sampled.
     batch: advantages, per row (B,) or per token (B, T); normaliser N_i (B,); sampled (B, T) bool (a
     row may sample none: --mask-truncated); OFF's flags; ref_logp (B, T), the reference's
@@ -407,11 +408,9 @@ def objective(logp, batch):
     with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
     the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
     train_step()'s step_values holds what is once a step). Both --logprobs paths send the weights
-    exactly autograd's gradient of this function. The fast one calls it more than once a pass, on a
-    stand-in for logp (zeros, or old_logp; after a miss, the pass's own) to guess that gradient
-    (fast/logprobs.Guess), and its backward pass compares the one that arrives with the guess bit
-    for bit, making the head's gradients again if they differ (SampledLogprobs.backward; held by
-    tests/test_fast_logprobs.py and test_plain_step.py): keep it a pure function."""
+    exactly autograd's gradient of this function: the fast one calls it on stand-ins for logp to
+    guess that gradient and checks the guess bit for bit (docs/objective.md, the last paragraph),
+    so keep it a pure function."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
@@ -489,9 +488,10 @@ def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
 
 def normaliser(tokens, kept, loss_norm, device):
     """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks): the
-    docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: its rows'. The
-    second is one number under every --loss-norm (kept_tokens' N, all tokens under --kl-beta): the
-    train row's kept_tokens, what its per-token stats divide by; 0 skips the update."""
+    docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: (rows,) bool,
+    rows_with_gradient's: the rows that train, "kept" wherever the code says it. The second is one
+    number under every --loss-norm (kept_tokens' N; every token under --kl-beta, which keeps every
+    row): the train row's kept_tokens, what its per-token stats divide by; 0 skips the update."""
     counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
     N = {
@@ -670,11 +670,11 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     """Steps 1-6 once on this rank: (the step's train row, None) after its update, (None, None) if
     a stop came before it, (None, the first error) if the reward failed on every completion.
     Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
-        problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)   # 1
-        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)          # 2-3
-        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, kind)  # 4
-        policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...) # 5
-        sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)      # 6"""
+        problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)      # 1
+        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)             # 2-3
+        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, advantage) # 4
+        policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...)    # 5
+        sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)         # 6"""
     model, optimizer, autocast = setup.model, setup.optimizer, setup.autocast
     options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
     t0 = time.time()

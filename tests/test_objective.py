@@ -21,6 +21,7 @@ from fast import logprobs
 from plumbing import checkpoint, flags
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
+from test_rl_math import LinearNLLModel, linear_logprobs  # log p of token t is -w * t
 
 V, T = 48, 0.7
 NORMS = ("kept_tokens", "all_tokens", "sequence")
@@ -192,21 +193,6 @@ def test_the_gradient_is_that_of_log_softmax_over_t_for_every_row_run(loss_norm,
     assert tokens == sum(sum(m[1:]) for m, kept in zip(masks, kept_rows(advantages)) if kept)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(grads(model), grads(reference))
-
-
-class LinearNLLModel(torch.nn.Module):
-    """Test double: log p of target token t is -w * t (0 where ignored); counts the rows it gets."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(1.0))
-        self.rows = 0
-
-
-def linear_logprobs(model, inputs, targets, temperature, loss_grad=None, vocab_size=None):
-    """plain_logprobs' place for the double above: the log-probs are linear in w."""
-    model.rows += inputs.size(0)
-    return torch.where(targets >= 0, -model.w * targets.float(), torch.zeros(()))
 
 
 # group 0 rewards [1, 0]: advantages +-0.5, completions [1, 2, 3] and [4, 5];
