@@ -343,9 +343,9 @@ def refill_round(setup, cfg, step, r, rank, world, device, stop):
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
-    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). Two callers:
-    train_step() for the step's groups and with_refills for each --refill round's, so a change to
-    what it is given goes in both."""
+    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). The run calls it in
+    two places, train_step() for the step's groups and with_refills for each --refill round's, so
+    a change to what it is given goes in both (plain_step calls it too, at the default kind)."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
@@ -535,10 +535,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
                             device_batch_size, device_batch_tokens)  # fmt: skip
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
-    # the fast path's guess of d loss / d logp, from objective itself (fast/logprobs.Guess): it
-    # makes the head's gradients in the forward pass, and again should the guess miss. So
-    # objective() runs more than once a pass, on a stand-in for logp (after a miss: on the pass's
-    # own log-probs, a chunk of the head at a time) and on logp: keep it a pure function
+    # the fast path's guess of d loss / d logp, asked of objective() itself (fast/logprobs.Guess;
+    # docs/objective.md, its last paragraph, says how it is checked)
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     # one autocast block over every pass: each weight is cast to bf16 once for all of them
     # (autocast keeps its casts until its outermost block ends), not once a pass
@@ -676,7 +674,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
         policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...)    # 5
         sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)         # 6"""
     model, optimizer, autocast = setup.model, setup.optimizer, setup.autocast
-    options = {name: getattr(cfg, name) for name in OFF}  # objective()'s flags, as given
+    options = {name: getattr(cfg, name) for name in OBJECTIVE_FLAGS}  # objective()'s, as given
     t0 = time.time()
     rows, per_step = setup.train_rows, cfg.examples_per_step
     problems = problems_for_step(rows, step, rank, world, per_step, cfg.seed)  # 1. this rank's
