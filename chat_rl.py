@@ -339,6 +339,29 @@ def refill_round(setup, cfg, step, r, rank, world, device, stop):
     return None if stop.requested(device) else out
 
 
+def refill_step(setup, cfg, step, out, advantages, rank, world, device, stop):
+    """--refill in train_step(): with_refills over refill_round's rounds, after the step's own
+    rollout `out` and its advantages. Returns with_refills' (every round's completions, their
+    advantages, which of them train, the rounds' counts with each round's problems added for the
+    train row), or None if a stop came during a round, on some rank."""
+
+    def sample_round(r):  # a round's sampling is abandonable, the sums between rounds not
+        return refill_round(setup, cfg, step, r, rank, world, device, stop)
+
+    with setup.autocast, fsdp.gathered(setup.model):
+        refills = with_refills(out, advantages, sample_round, cfg.examples_per_step,
+                               cfg.num_samples, cfg.refill, rank, world, device,
+                               cfg.advantage)  # fmt: skip
+    if refills is None:
+        return None
+    out, advantages, trains, refilled = refills
+    refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
+        refill_problems(setup.train_rows, step, r, 0, 1, cfg.examples_per_step, cfg.seed)[1]
+        for r in range(1, refilled["refill_rounds"] + 1)
+    ]
+    return out, advantages, trains, refilled
+
+
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
@@ -597,6 +620,21 @@ def without_truncated(masks, truncated):
     return [[0] * len(mask) if cut else mask for mask, cut in zip(masks, truncated)]
 
 
+def training_rows(out, advantages, trains, mask_truncated):
+    """The rows step 5 trains on, from the rollout's: (sequences, masks, sampler_logp, advantages).
+    All of them, unless --refill chose groups (trains, (rows,) bool; None: all); --mask-truncated
+    zeroes cut-off rows' masks here, after the advantages, so their rewards stay in their groups'
+    means."""
+    sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
+    if mask_truncated:
+        masks = without_truncated(masks, out["truncated"])
+    if trains is not None:  # --refill: the chosen groups alone train
+        keep = trains.nonzero()[:, 0].tolist()
+        sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
+        sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
+    return sequences, masks, sampler_logp, advantages
+
+
 # ---- 6. step -------------------------------------------------------------------------------------
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite).
@@ -676,8 +714,9 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     model, optimizer, autocast = setup.model, setup.optimizer, setup.autocast
     options = {name: getattr(cfg, name) for name in OBJECTIVE_FLAGS}  # objective()'s, as given
     t0 = time.time()
-    rows, per_step = setup.train_rows, cfg.examples_per_step
-    problems = problems_for_step(rows, step, rank, world, per_step, cfg.seed)  # 1. this rank's
+    # 1. this rank's share of the step's problems
+    problems = problems_for_step(setup.train_rows, step, rank, world, cfg.examples_per_step,
+                                 cfg.seed)  # fmt: skip
     model.eval()  # no dropout in these models: eval() and train() mark the phases for a fork
     optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
     # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
@@ -697,34 +736,19 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
-
-        def sample_round(r):  # a round's sampling is abandonable, the sums between rounds not
-            return refill_round(setup, cfg, step, r, rank, world, device, stop)
-
-        with autocast, fsdp.gathered(model):
-            refills = with_refills(out, advantages, sample_round, cfg.examples_per_step,
-                                   cfg.num_samples, cfg.refill, rank, world, device,
-                                   cfg.advantage)  # fmt: skip
+        refills = refill_step(setup, cfg, step, out, advantages, rank, world, device, stop)
         if refills is None:  # a stop came during a round, on some rank
             return None, None
         out, advantages, trains, refilled = refills
-        refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
-            refill_problems(rows, step, r, 0, 1, per_step, cfg.seed)[1]
-            for r in range(1, refilled["refill_rounds"] + 1)
-        ]
         t_rollout = time.time() - t0
     # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
     # their means over ranks go in the train row as they are, not per token like stats
     step_values = {}
     if cfg.overlong_buffer > 0:  # its share of `reward`, every completion the step sampled
         step_values["reward_overlong"] = sum(out["overlong"]) / len(out["overlong"])
-    sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
-    if cfg.mask_truncated:  # after the advantages: a cut-off reward stays in its group's mean
-        masks = without_truncated(masks, out["truncated"])
-    if trains is not None:  # --refill: the chosen groups alone train
-        keep = trains.nonzero()[:, 0].tolist()
-        sequences, masks = [sequences[i] for i in keep], [masks[i] for i in keep]
-        sampler_logp, advantages = [sampler_logp[i] for i in keep], advantages[trains]
+    sequences, masks, sampler_logp, advantages = training_rows(
+        out, advantages, trains, cfg.mask_truncated
+    )
     model.train()
     # linear decay: the last step's lr is peak_lr / num_steps
     lr = setup.peak_lr * (1 - step / setup.num_steps)
