@@ -351,7 +351,7 @@ def refill_step(setup, cfg, step, out, advantages, rank, world, device, stop):
     with setup.autocast, fsdp.gathered(setup.model):
         refills = with_refills(out, advantages, sample_round, cfg.examples_per_step,
                                cfg.num_samples, cfg.refill, rank, world, device,
-                               cfg.advantage)  # fmt: skip
+                               advantages_of=lambda extra: step_advantages(extra, cfg))  # fmt: skip
     if refills is None:
         return None
     out, advantages, trains, refilled = refills
@@ -366,9 +366,8 @@ def refill_step(setup, cfg, step, out, advantages, rank, world, device, stop):
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
-    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). The run calls it in
-    two places, train_step() for the step's groups and with_refills for each --refill round's, so
-    a change to what it is given goes in both (plain_step calls it too, at the default kind)."""
+    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). The run calls it from
+    step_advantages alone; plain_step calls it too, at the default kind."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
@@ -381,8 +380,15 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     return adv.masked_fill(unanimous, 0.0).view(-1)
 
 
+def step_advantages(out, cfg):
+    """Step 4 for a rollout's groups (rollout()'s dict), the step's and each --refill round's: the
+    run's one call of compute_advantages, so what an advantage of your own reads besides the
+    rewards (a completion's length in out["masks"], a flag of yours in cfg) goes in here once."""
+    return compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
+
+
 def with_refills(out, advantages, sample_round, examples_per_step, num_samples, max_rounds, rank,
-                 world, device, kind="mean"):  # fmt: skip
+                 world, device, advantages_of):  # fmt: skip
     """--refill (DAPO's dynamic sampling): a unanimous group teaches nothing, so while fewer than
     examples_per_step groups of the step have signal (a nonzero advantage), sample another round of
     as many problems (sample_round(r): this rank's rollout of round r, plumbing/data.py's refill
@@ -390,8 +396,8 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
     with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
     every round's completions (what the step sampled, its metrics' rows), their advantages, which
     of them train (rows,) bool, and the rounds' counts for the train row; None if sample_round
-    returned None (a stop, agreed by every rank). kind: --advantage, which every round's groups
-    take as the first's did."""
+    returned None (a stop, agreed by every rank). advantages_of: a round's advantages from its
+    rollout, as the first round's were made (step_advantages)."""
     rounds = [(out, advantages)]
     while True:
         # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
@@ -404,8 +410,7 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
         extra = sample_round(len(rounds))
         if extra is None:
             return None
-        extra_advantages = compute_advantages(torch.tensor(extra["total"]), num_samples, kind)
-        rounds.append((extra, extra_advantages))
+        rounds.append((extra, advantages_of(extra)))
     # the first examples_per_step groups with signal, in (round, rank, place) order
     chosen = signal & (signal.flatten().cumsum(0) <= examples_per_step).view(signal.shape)
     trains = chosen[:, rank].repeat_interleave(num_samples, dim=1).flatten().cpu()
@@ -708,7 +713,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
         problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)      # 1
         out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)             # 2-3
-        advantages = compute_advantages(torch.tensor(out["total"]), num_samples, advantage) # 4
+        advantages = step_advantages(out, cfg)                                              # 4
         policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...)    # 5
         sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)         # 6"""
     model, optimizer, autocast = setup.model, setup.optimizer, setup.autocast
@@ -733,7 +738,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
         return None, failure
     # 4. r - mean(r) within each group; --refill samples more groups while too few have signal
-    advantages = compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
+    advantages = step_advantages(out, cfg)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
         refills = refill_step(setup, cfg, step, out, advantages, rank, world, device, stop)

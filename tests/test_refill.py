@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +35,11 @@ def group_out(rewards):
     return out
 
 
+def mean(out):
+    """with_refills' advantages_of at the default kind: r - mean(r) within each group."""
+    return chat_rl.compute_advantages(torch.tensor(out["total"]), S)
+
+
 def test_the_step_trains_its_first_groups_with_signal_in_round_order():
     # 4 groups a step: round 0 has 1 with signal, round 1 two, round 2 three (one too many)
     rounds = [
@@ -50,7 +56,7 @@ def test_the_step_trains_its_first_groups_with_signal_in_round_order():
     first = group_out(rounds[0])
     advantages = chat_rl.compute_advantages(torch.tensor(first["total"]), S)
     out, adv, trains, counts = chat_rl.with_refills(
-        first, advantages, sample_round, 4, S, 5, rank=0, world=1, device="cpu"
+        first, advantages, sample_round, 4, S, 5, rank=0, world=1, device="cpu", advantages_of=mean
     )
     assert asked == [1, 2]  # sampled until 4 groups had signal, no further
     assert counts == dict(groups_sampled=12, groups_kept=4, refill_rounds=2)
@@ -63,9 +69,18 @@ def test_the_step_trains_its_first_groups_with_signal_in_round_order():
 def test_every_round_takes_the_runs_kind_of_advantage():
     rounds = [[[1, 0], [1, 1]], [[1, 0], [0, 0]]]
     first = group_out(rounds[0])
-    zscore = chat_rl.compute_advantages(torch.tensor(first["total"]), S, "zscore")
+    cfg = SimpleNamespace(num_samples=S, advantage="zscore")  # the run's step_advantages
     _, adv, _, _ = chat_rl.with_refills(
-        first, zscore, lambda r: group_out(rounds[r]), 2, S, 1, 0, 1, "cpu", kind="zscore"
+        first,
+        chat_rl.step_advantages(first, cfg),
+        lambda r: group_out(rounds[r]),
+        2,
+        S,
+        1,
+        0,
+        1,
+        "cpu",
+        advantages_of=lambda extra: chat_rl.step_advantages(extra, cfg),
     )
     expected = chat_rl.compute_advantages(torch.tensor([1.0, 0, 1, 1, 1, 0, 0, 0]), S, "zscore")
     torch.testing.assert_close(adv, expected)  # round 1's z-scored as round 0's: not r - mean(r)
@@ -84,6 +99,7 @@ def test_a_bound_on_the_rounds_trains_on_what_has_signal_by_then():
         rank=0,
         world=1,
         device="cpu",
+        advantages_of=mean,
     )
     assert counts == dict(groups_sampled=4, groups_kept=1, refill_rounds=1)
     assert trains.view(-1, S)[:, 0].tolist() == [0, 0, 1, 0]
