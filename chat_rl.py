@@ -4,15 +4,17 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: a step's four parts in about 250 lines of plain torch, then the step as a run takes it
-(the rest is options and the machinery of a real run, held by tests to these):
+Reading it: the step and its three parts in about 250 lines of plain torch, then the step as a
+run takes it (the rest is options and the machinery of a real run, held by tests to these):
   the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
                test_plain_step.py holds train()'s rewards and gradient to it
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
-               which the fast engine.Engine that rollout() calls matches token for token
+               which the fast engine.Engine that rollout() calls matches token for token (where
+               the logits' last bits, which batching moves, do not cross a token's boundary)
   advantage    compute_advantages()
-  loss         objective()'s first branch (REINFORCE), normaliser() for N_i, and
-               fast/logprobs.plain_logprobs for logp (make_batch lays out the rows)
+  loss         objective()'s first branch (REINFORCE; its `correction` is 1.0 unless
+               --rollout-correction), normaliser() for N_i, and fast/logprobs.plain_logprobs for
+               logp (make_batch lays out the rows)
   in the run   train_step(), the same step with every option, then train() around it (evals, saves)
 Left for a second reading: the options' branches (--ppo-epochs, --kl-beta, --rollout-correction,
 --refill), policy_gradient_backward's micro-batches and Guess, and fast/: --logprobs=plain trains
