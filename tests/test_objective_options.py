@@ -97,7 +97,9 @@ def two_epochs(
 ):
     """--ppo-epochs=2 as train() runs it: the first epoch on the sampling policy (its log-probs
     kept), the second on `policy`, which has moved. Returns the second's (loss, kept tokens, stats);
-    its gradient is in policy."""
+    its gradient is in policy. Its options are PPO's clip (ppo_epochs=2, clip_eps EPS_LOW,
+    clip_eps_high EPS_HIGH), a test's opts={...} added and overriding: a term of your own is
+    tested beside PPO's clip unless its opts set those back."""
     saved = fast.RolloutLogprobs()
     args = dict(num_samples=NUM_SAMPLES, device_batch_size=batch_rows, loss_norm=loss_norm)
     clip = dict(ppo_epochs=2, clip_eps=EPS_LOW, clip_eps_high=EPS_HIGH)
