@@ -17,9 +17,9 @@ run takes it (the rest is options and the machinery of a real run, held by tests
                logp (make_batch lays out the rows)
   in the run   train_step(), the same step with every option, then train() around it (evals, saves)
 Left for a second reading: the options' branches (--ppo-epochs, --kl-beta, --rollout-correction,
---refill), policy_gradient_backward's micro-batches and Guess, and fast/: --logprobs=plain trains
-with plain_logprobs, and the fast log-probs check the gradient they send against objective()'s
-own (README: the objective).
+--refill: plumbing/refill.py), policy_gradient_backward's micro-batches and Guess, and fast/:
+--logprobs=plain trains with plain_logprobs, and the fast log-probs check the gradient they send
+against objective()'s own (README: the objective).
 
 One optimizer step, as train_step() runs it. A "rank" is one process of a torchrun launch (one per
 GPU; a laptop has one).
@@ -105,8 +105,8 @@ from fast.logprobs import (
     plain_logprobs,
     sampled_tokens,
 )
-from plumbing import checkpoint, fsdp, metrics
-from plumbing.data import derive_seed, problems_for_step, refill_problems
+from plumbing import checkpoint, fsdp, metrics, refill
+from plumbing.data import derive_seed, problems_for_step
 from plumbing.distributed import all_reduce_sum, sync_gradients
 from plumbing.evaluation import eval_step
 from plumbing.flags import RunError, run
@@ -270,7 +270,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     random stream seeded by seed and its id (its place in the step or the eval set): ranks and
     batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
     only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train_step(),
-    refill_round() and plumbing/evaluation.py; an argument of your own goes to each."""
+    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each."""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
@@ -322,48 +322,6 @@ def overlong_penalty(length, max_new_tokens, buffer):
     return ((max_new_tokens - buffer) - length) / buffer
 
 
-def refill_round(setup, cfg, step, r, rank, world, device, stop):
-    """--refill's round r of a step on this rank: its problems (plumbing/data.refill_problems),
-    sampled from seeds of their own and scored, as rollout() returns them; None if any rank was
-    asked to stop (the sampling is abandonable, and every rank agrees after it: with_refills' sums
-    between rounds are collective, so no rank may leave one its peers are in)."""
-    problems, _ = refill_problems(setup.train_rows, step, r, rank, world, cfg.examples_per_step,
-                                  cfg.seed)  # fmt: skip
-    problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-    out = None
-    with stop.abandonable(setup.model):
-        out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
-                      cfg.temperature, cfg.top_k,
-                      derive_seed(cfg.seed, "rollout", step, "refill", r), cfg.format_weight,
-                      cfg.generate_batch_rows, problem_ids=problem_ids,
-                      system_prompt=cfg.system_prompt,
-                      overlong_buffer=cfg.overlong_buffer)  # fmt: skip
-    return None if stop.requested(device) else out
-
-
-def refill_step(setup, cfg, step, out, advantages, rank, world, device, stop):
-    """--refill in train_step(): with_refills over refill_round's rounds, after the step's own
-    rollout `out` and its advantages. Returns with_refills' (every round's completions, their
-    advantages, which of them train, the rounds' counts with each round's problems added for the
-    train row), or None if a stop came during a round, on some rank."""
-
-    def sample_round(r):  # a round's sampling is abandonable, the sums between rounds not
-        return refill_round(setup, cfg, step, r, rank, world, device, stop)
-
-    with setup.autocast, fsdp.gathered(setup.model):
-        refills = with_refills(out, advantages, sample_round, cfg.examples_per_step,
-                               cfg.num_samples, cfg.refill, rank, world, device,
-                               advantages_of=lambda extra: step_advantages(extra, cfg))  # fmt: skip
-    if refills is None:
-        return None
-    out, advantages, trains, refilled = refills
-    refilled["refill_problems"] = [  # every rank's, each round's: the rows' indices
-        refill_problems(setup.train_rows, step, r, 0, 1, cfg.examples_per_step, cfg.seed)[1]
-        for r in range(1, refilled["refill_rounds"] + 1)
-    ]
-    return out, advantages, trains, refilled
-
-
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
@@ -387,39 +345,6 @@ def step_advantages(out, cfg):
     run's one call of compute_advantages, so what an advantage of your own reads besides the
     rewards (a completion's length in out["masks"], a flag of yours in cfg) goes in here once."""
     return compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
-
-
-def with_refills(out, advantages, sample_round, examples_per_step, num_samples, max_rounds, rank,
-                 world, device, advantages_of):  # fmt: skip
-    """--refill (DAPO's dynamic sampling): a unanimous group teaches nothing, so while fewer than
-    examples_per_step groups of the step have signal (a nonzero advantage), sample another round of
-    as many problems (sample_round(r): this rank's rollout of round r, plumbing/data.py's refill
-    problems), up to max_rounds more. The step then trains on its first examples_per_step groups
-    with signal, all ranks in order (round, rank, place): the same groups on 1 rank or 8. Returns
-    every round's completions (what the step sampled, its metrics' rows), their advantages, which
-    of them train (rows,) bool, and the rounds' counts for the train row; None if sample_round
-    returned None (a stop, agreed by every rank). advantages_of: a round's advantages from its
-    rollout, as the first round's were made (step_advantages)."""
-    rounds = [(out, advantages)]
-    while True:
-        # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
-        signal = torch.zeros(len(rounds), world, examples_per_step // world, device=device)
-        for r, (_, adv) in enumerate(rounds):
-            signal[r, rank] = (adv.view(-1, num_samples).abs().sum(dim=1) > 0).float()
-        signal = all_reduce_sum(signal).bool()
-        if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
-            break
-        extra = sample_round(len(rounds))
-        if extra is None:
-            return None
-        rounds.append((extra, advantages_of(extra)))
-    # the first examples_per_step groups with signal, in (round, rank, place) order
-    chosen = signal & (signal.flatten().cumsum(0) <= examples_per_step).view(signal.shape)
-    trains = chosen[:, rank].repeat_interleave(num_samples, dim=1).flatten().cpu()
-    every = {key: sum((o[key] for o, _ in rounds), []) for key in out}
-    counts = dict(groups_sampled=signal.numel(), groups_kept=int(chosen.sum()),
-                  refill_rounds=len(rounds) - 1)  # fmt: skip
-    return every, torch.cat([adv for _, adv in rounds]), trains, counts
 
 
 # ---- 5. loss -------------------------------------------------------------------------------------
@@ -743,7 +668,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     advantages = step_advantages(out, cfg)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
-        refills = refill_step(setup, cfg, step, out, advantages, rank, world, device, stop)
+        refills = refill.refill_step(rollout, step_advantages, setup, cfg, step, out, advantages,
+                                     rank, world, device, stop)  # fmt: skip
         if refills is None:  # a stop came during a round, on some rank
             return None, None
         out, advantages, trains, refilled = refills

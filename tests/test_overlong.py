@@ -10,7 +10,7 @@ import chat_rl
 from calculator import calculate
 from engine import Engine
 from fast.logprobs import sampled_tokens
-from plumbing import checkpoint
+from plumbing import checkpoint, refill
 from plumbing.stop import NEVER
 from tasks import arith
 
@@ -112,7 +112,7 @@ def tokenizer():
 
 
 def test_a_refill_round_pays_it_too():
-    # --refill's extra rounds are rollouts of their own (chat_rl.refill_round): their groups
+    # --refill's extra rounds are rollouts of their own (plumbing/refill.refill_round): their groups
     # enter the step's advantages beside the first round's, so they carry the same term
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     setup = SimpleNamespace(
@@ -126,7 +126,9 @@ def test_a_refill_round_pays_it_too():
         top_k=0, format_weight=0.0, generate_batch_rows=256, system_prompt="",
         overlong_buffer=20,
     )  # fmt: skip
-    out = chat_rl.refill_round(setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER)
+    out = refill.refill_round(
+        chat_rl.rollout, setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER
+    )
     expected = [written_out(n, BUDGET, 20) for n in out["tokens"]]
     assert any(p < 0 for p in expected), out["tokens"]
     assert out["overlong"] == expected

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import chat_rl
 import test_resume
+from plumbing import refill
 from plumbing.data import refill_problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ def test_the_step_trains_its_first_groups_with_signal_in_round_order():
 
     first = group_out(rounds[0])
     advantages = chat_rl.compute_advantages(torch.tensor(first["total"]), S)
-    out, adv, trains, counts = chat_rl.with_refills(
+    out, adv, trains, counts = refill.with_refills(
         first, advantages, sample_round, 4, S, 5, rank=0, world=1, device="cpu", advantages_of=mean
     )
     assert asked == [1, 2]  # sampled until 4 groups had signal, no further
@@ -70,7 +71,7 @@ def test_every_round_takes_the_runs_kind_of_advantage():
     rounds = [[[1, 0], [1, 1]], [[1, 0], [0, 0]]]
     first = group_out(rounds[0])
     cfg = SimpleNamespace(num_samples=S, advantage="zscore")  # the run's step_advantages
-    _, adv, _, _ = chat_rl.with_refills(
+    _, adv, _, _ = refill.with_refills(
         first,
         chat_rl.step_advantages(first, cfg),
         lambda r: group_out(rounds[r]),
@@ -89,7 +90,7 @@ def test_every_round_takes_the_runs_kind_of_advantage():
 def test_a_bound_on_the_rounds_trains_on_what_has_signal_by_then():
     rounds = [[[1, 1], [0, 0]], [[0, 1], [1, 1]], [[0, 0], [1, 0]]]
     first = group_out(rounds[0])
-    out, adv, trains, counts = chat_rl.with_refills(
+    out, adv, trains, counts = refill.with_refills(
         first,
         chat_rl.compute_advantages(torch.tensor(first["total"]), S),
         lambda r: group_out(rounds[r]),

@@ -34,7 +34,7 @@ TIMING_KEYS = {
 RUNNER = r"""
 import atexit, os, signal, sys, threading, time
 import chat_rl, engine
-from plumbing import checkpoint, evaluation, metrics
+from plumbing import checkpoint, evaluation, metrics, refill
 from policy import gpt
 where, at, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
 state = dict(phase=None, decoded=0, evals=-1, sent=None, after=0)
@@ -78,13 +78,13 @@ if where in ("rollout", "refill", "eval", "backward", "update"):
         if where == "update" and state["phase"] == ("rollout", at):
             send()
         return result
-    refill_round = chat_rl.refill_round
-    def refill_starts(setup, cfg, step, *args):
+    refill_round = refill.refill_round
+    def refill_starts(rollout, setup, cfg, step, *args):
         if step >= at and state["sent"] is None:
             state.update(phase=("refill", at), decoded=0)
-        return refill_round(setup, cfg, step, *args)
+        return refill_round(rollout, setup, cfg, step, *args)
     chat_rl.problems_for_step, evaluation.evaluate = step_starts, eval_starts
-    chat_rl.refill_round = refill_starts
+    refill.refill_round = refill_starts
     chat_rl.optimizer_step = update
     engine.next_logits, gpt.SwiGLU.backward = decoding, staticmethod(counted(backward_pass))
     gpt.Block.forward = counted(gpt.Block.forward)
