@@ -191,7 +191,7 @@ def test_chat_rl_sets_a_passive_omp_wait_policy_before_torch_loads_unless_the_us
     # interpreter, leave torch unloaded (an import of your own above it is fine if it does too)
     source = open(os.path.join(repo, "chat_rl.py")).read()
     before = source[: source.index('os.environ.setdefault("OMP_WAIT_POLICY"')]
-    probe = before + "\nprint('torch' in sys.modules)"
+    probe = before + "\nimport sys\nprint('torch' in sys.modules)"  # sys loads no torch
     loaded = subprocess.run(
         [sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True
     )
