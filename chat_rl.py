@@ -4,61 +4,59 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step and its three parts in about 250 lines of plain torch, then the step as a
-run takes it (the rest is options and the machinery of a real run, held by tests to these):
+Reading it: the step and its three parts in about 250 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
                test_plain_step.py holds train()'s rewards and gradient to it
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
                which the fast engine.Engine that rollout() calls matches token for token (where
                the logits' last bits, which batching moves, do not cross a token's boundary)
   advantage    compute_advantages()
-  loss         objective()'s first branch (REINFORCE; its `correction` is 1.0 unless
-               --rollout-correction), normaliser() for N_i, and fast/logprobs.plain_logprobs for
-               logp (make_batch lays out the rows)
+  loss         objective()'s first branch (REINFORCE), normaliser() for N, and
+               fast/logprobs.plain_logprobs for logp (make_batch lays out the rows)
   in the run   train_step(), the same step with every option, then train() around it (evals, saves)
-Left for a second reading: the options' branches (--ppo-epochs, --kl-beta, --rollout-correction,
---refill: plumbing/refill.py), policy_gradient_backward's micro-batches and Guess, and fast/:
---logprobs=plain trains with plain_logprobs, and the fast log-probs check the gradient they send
-against objective()'s own (README: the objective).
+You need nothing else to read the step: the rest is options (listed after the step) and the
+machinery of a real run, held by tests to the pieces above. The fast log-probs check the gradient
+they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README: the
+objective), so editing objective() needs none of fast/ read.
 
-One optimizer step, as train_step() runs it. A "rank" is one process of a torchrun launch (one per
-GPU; a laptop has one).
+One optimizer step at the default flags, as train_step() runs it. A "rank" is one process of a
+torchrun launch (one per GPU; a laptop has one).
   1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
      examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
      fixes the data, so a resumed run continues it.
-  2. Sampling. The Engine (engine.py, generate_reference's fast twin) samples num_samples
-     completions of each problem, its group, at --temperature, each problem from a random stream
-     of its own (the same on 1 rank or 8); the stop token is sampled and trained like any other.
-     A calculator call such as `<<48/2=` gets its result `24>>` written in (--tool). A mask marks
-     each token of a sequence: 1 if the policy sampled it, 0 for the prompt and tool results.
-  3. Scoring (tasks/common.rewards). reward = answer + format_weight x format, plus
-     --overlong-buffer's length penalty (overlong_penalty: DAPO's). answer is 1 if the
-     verifier finds the right final answer (GSM8K's "#### <number>", MATH's \\boxed{}), else 0:
-     a completion cut off before its answer scores 0 (your own --reward: the number it returns;
-     --mask-truncated keeps cut-off ones out of the loss). format is 1 for the answer given
-     once, in the task's form, at the end. A reward that raises an exception scores 0.
+  2. Sampling. The Engine samples num_samples completions of each problem, its group, at
+     temperature 1, each problem from a random stream of its own (the same on 1 rank or 8); the
+     stop token is sampled and trained like any other. A calculator call such as `<<48/2=` gets
+     its result `24>>` written in. A mask marks each token of a sequence: 1 if the policy sampled
+     it, 0 for the prompt and the calculator's results.
+  3. Scoring (tasks/common.rewards). The reward is 1 if the verifier finds the right final answer
+     (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
+     scores 0, and so does one whose reward raises an exception.
   4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0: no gradient, so its rows skip the training passes (unless
-     --kl-beta, whose term every row has; the default N_i below still counts their tokens).
-  5. Loss (objective, which a fork edits; policy_gradient_backward runs it). Over the step's C
+     scored the same has A = 0: no gradient, so its rows skip the training passes.
+  5. Loss (objective(), which a fork edits; policy_gradient_backward runs it). Over the step's
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
-         L = -sum_i sum_{t in S_i} A_i * logp_it / N_i
+         L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-     it was drawn from (fast/logprobs.plain_logprobs; --top-k > 0 truncates it, which the loss
-     does not model: keep 0). N_i (--loss-norm), counted on all ranks:
-         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
-         kept_tokens            N_i = sum_{j in kept groups} |S_j|  the groups with signal only
-         sequence               N_i = C * max(1, |S_i|)             a mean per completion, then of C
-     For two groups of two whose completions sampled 3, 4 and 2, 5 tokens, the second group
-     unanimous: all_tokens N = 14, kept_tokens N = 7, sequence N_i = 4 * |S_i|. C and all_tokens
-     count unanimous and cut-off completions too; a --refill step is the groups it chose, so there
-     all_tokens is kept_tokens.
-  6. Update. Gradients are summed over ranks (not averaged: N_i counts every rank's tokens), their
-     norm clipped (--grad-clip), and AdamW steps, unless the loss or the gradient is not finite or
-     no row was kept (rows_with_gradient). The lr falls linearly: step s uses lr x (1 - s /
-     num_steps), the last lr / num_steps; lr is --lr (--lora-lr with LoRA).
+     it was drawn from. N counts every sampled token of the step, on all ranks, a unanimous
+     group's too (normaliser(); --loss-norm has two others).
+  6. Update. Gradients are summed over ranks (not averaged: N counts every rank's tokens), their
+     norm clipped to 1, and AdamW steps, unless the loss or the gradient is not finite or no row
+     was kept (rows_with_gradient). The lr falls linearly: step s uses lr x (1 - s / num_steps).
   7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1
      (plumbing/evaluation.py).
+
+The options, by the step they change (off by default; --help lists them all):
+  2  --temperature; --top-k truncates the distribution, which the loss does not model (keep 0);
+     --tool=none samples without the calculator
+  3  --format-weight adds format (1 for the answer given once, in the task's form, at the end);
+     --overlong-buffer DAPO's length penalty (overlong_penalty); --reward a function of yours;
+     --mask-truncated: cut-off completions train no token (their rewards stay in the means)
+  4  --advantage=zscore; --refill: DAPO's dynamic sampling (plumbing/refill.py)
+  5  --loss-norm: N_i per completion (normaliser()'s table); --kl-beta, --ppo-epochs and
+     --rollout-correction: objective()'s other branches (docs/objective.md); --kl-beta's term
+     pulls on every row, so unanimous groups train too
+  6  --grad-clip; --lr, or --lora-lr with --lora-rank
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -139,7 +137,7 @@ HYPERPARAMETERS = dict(
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
-    loss_norm=("all_tokens", "the loss's N_i (docstring): all_tokens | kept_tokens | sequence"),
+    loss_norm=("all_tokens", "the loss's N_i (normaliser()): all_tokens | kept_tokens | sequence"),
     mask_truncated=(False, "cut-off completions (no stop token) train no token"),
     refill=(0, "dynamic sampling: up to this many more rollouts a step for groups with signal"),
     kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy; 0 = off"),
@@ -235,7 +233,8 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
     tool=calculator.calculate for --tool's default; None samples without it): add the gradient
     of L to .grad, return (L, the rewards). train_step() computes the same with its fast paths (the
     Engine's KV cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py
-    holds its rewards and gradient to this one's. Then step 6: optimizer_step."""
+    holds its rewards and gradient to this one's, in fp32 (no autocast here: under --dtype=bf16
+    the run's numbers round otherwise). Then step 6: optimizer_step."""
     device = next(model.parameters()).device
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
     # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
@@ -364,8 +363,8 @@ def objective(logp, batch):
     the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
     train_step()'s step_values holds what is once a step). Both --logprobs paths send the weights
     exactly autograd's gradient of this function: the fast one calls it on stand-ins for logp to
-    guess that gradient and checks the guess bit for bit (docs/objective.md, the last paragraph),
-    so keep it a pure function."""
+    guess that gradient and checks the guess bit for bit (fast/logprobs.Guess, its first
+    paragraph), so keep it a pure function; --logprobs=plain runs it with no guess at all."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
@@ -442,11 +441,20 @@ def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
 
 
 def normaliser(tokens, kept, loss_norm, device):
-    """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks): the
-    docstring's table, its sums over every rank. tokens: each row's |S_i|; kept: (rows,) bool,
-    rows_with_gradient's: the rows that train, "kept" wherever the code says it. The second is one
-    number under every --loss-norm (kept_tokens' N; every token under --kl-beta, which keeps every
-    row): the train row's kept_tokens, what its per-token stats divide by; 0 skips the update."""
+    """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks). Over
+    the step's C completions j on all ranks, |S_j| the tokens each sampled:
+        all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
+        kept_tokens            N_i = sum_{j in kept groups} |S_j|  the groups with signal only
+        sequence               N_i = C * max(1, |S_i|)             a mean per completion, then of C
+    For two groups of two whose completions sampled 3, 4 and 2, 5 tokens, the second group
+    unanimous: all_tokens N = 14, kept_tokens N = 7, sequence N_i = 4 * |S_i|. C counts every
+    completion; all_tokens counts a unanimous group's tokens, and a cut-off completion's unless
+    --mask-truncated (which leaves it none sampled); a --refill step is the groups it chose, so
+    there all_tokens is kept_tokens.
+    tokens: each row's |S_i|; kept: (rows,) bool, rows_with_gradient's: the rows that train, "kept"
+    wherever the code says it. The second value is one number under every --loss-norm (kept_tokens'
+    N; every token under --kl-beta, which keeps every row): the train row's kept_tokens, what its
+    per-token stats divide by; 0 skips the update."""
     counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
     N = {
@@ -490,8 +498,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
                             device_batch_size, device_batch_tokens)  # fmt: skip
     fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
     saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
-    # the fast path's guess of d loss / d logp, asked of objective() itself (fast/logprobs.Guess;
-    # docs/objective.md, its last paragraph, says how it is checked)
+    # the fast path's guess of d loss / d logp, asked of objective() itself (fast/logprobs.Guess,
+    # its first paragraph: what an edit of objective() needs to know of it)
     guess, loss_sum = Guess(objective), torch.zeros((), device=device)
     # one autocast block over every pass: each weight is cast to bf16 once for all of them
     # (autocast keeps its casts until its outermost block ends), not once a pass
@@ -554,7 +562,8 @@ def without_truncated(masks, truncated):
 
 def training_rows(out, advantages, trains, mask_truncated):
     """The rows step 5 trains on, from the rollout's: (sequences, masks, sampler_logp, advantages).
-    All of them, unless --refill chose groups (trains, (rows,) bool; None: all); --mask-truncated
+    All of them, unless --refill chose groups (trains, (rows,) bool, a chosen group's every row
+    True; None: all); --mask-truncated
     zeroes cut-off rows' masks here, after the advantages, so their rewards stay in their groups'
     means."""
     sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
@@ -653,7 +662,10 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
     # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
     problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-    with autocast, fsdp.gathered(model), stop.abandonable(model):  # a stop leaves it at once
+    # autocast: --dtype's (bf16 or none); gathered: --fsdp's whole weights for the rollout;
+    # abandonable: a stop signal leaves the rollout at once. Without --fsdp and a signal the last
+    # two do nothing, and none of them changes a number in fp32
+    with autocast, fsdp.gathered(model), stop.abandonable(model):
         out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
                       cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
                       cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,

@@ -366,6 +366,15 @@ class SampledLogprobs(torch.autograd.Function):
 
 class Guess:
     """
+    What editing chat_rl.objective() needs of this class (the rest of this docstring says how):
+    - keep objective() a pure function of (logp, batch): it is called again here, on stand-ins;
+    - a loss linear in logp (REINFORCE, the default) is guessed exactly: the head's gradients are
+      made in the forward pass, once;
+    - any other loss is caught (the gradient that arrives is compared with the guess, bit for
+      bit) and its head gradients made again from it: slower, never wrong;
+    - --logprobs=plain runs the same step with no guess at all, the check after an edit
+      (tests/test_objective_options.py holds the options' gradients on both paths).
+
     fast_logprobs' loss_grad through one call of chat_rl.policy_gradient_backward, from the
     objective itself: autograd's gradient of objective(x, batch) at a stand-in x for the log-probs
     about to be computed (the sampling policy's, batch.old_logp, where the batch has them; else
@@ -454,7 +463,8 @@ def micro_batches(rows, sequences, masks, num_samples, max_rows, max_tokens):
     """The training passes over rows (indices into sequences and masks): lists of indices,
     sorted by prompt length (up to the first sampled token), group and length, so that a
     group's rows share a pass (fast_logprobs runs their prompt once) and rows of similar length
-    do (less padding); any order would give the same gradient."""
+    do (less padding). Another order gives the same gradient up to the order of its float sums;
+    this one is fixed by the rows alone, so a run (and its resume) repeats bit for bit."""
 
     def prompt_length(i):
         return next((t for t in range(1, len(masks[i])) if masks[i][t]), len(masks[i]))
