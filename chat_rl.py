@@ -269,7 +269,17 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     random stream seeded by seed and its id (its place in the step or the eval set): ranks and
     batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
     only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train_step(),
-    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each."""
+    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each.
+    The dict's lists, one entry per completion:
+      sequences, masks   prompt + reply token ids; mask 1 where the policy sampled the token, 0 on
+                         the prompt and the calculator's results
+      sampler_logp       per token, aligned with sequences: the log-prob the engine drew it with
+                         (softmax(logits / T)); 0 on the prompt, on forced tokens and at T = 0;
+                         a row's None from a stand-in engine without them
+      answer, format, overlong, total    the reward's terms; total is what the advantages read
+      tokens, truncated  the reply's length (tool results in it); whether it ran out of budget
+      completions        the reply's text (special tokens dropped)
+      tool_calls, tool_errors, tool_use, reward_errors   for the train row"""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
@@ -342,7 +352,7 @@ def compute_advantages(rewards, num_samples, kind="mean"):
 def step_advantages(out, cfg):
     """Step 4 for a rollout's groups (rollout()'s dict), the step's and each --refill round's: the
     run's one call of compute_advantages, so what an advantage of your own reads besides the
-    rewards (a completion's length in out["masks"], a flag of yours in cfg) goes in here once."""
+    rewards (out's other lists, rollout()'s docstring; a flag of yours in cfg) goes in here once."""
     return compute_advantages(torch.tensor(out["total"]), cfg.num_samples, cfg.advantage)
 
 

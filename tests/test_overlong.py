@@ -10,7 +10,7 @@ import chat_rl
 from calculator import calculate
 from engine import Engine
 from fast.logprobs import sampled_tokens
-from plumbing import checkpoint, refill
+from plumbing import checkpoint, flags, refill
 from plumbing.stop import NEVER
 from tasks import arith
 
@@ -121,11 +121,9 @@ def test_a_refill_round_pays_it_too():
         task=arith,
         train_rows=arith.load("train", limit=8),
     )
-    cfg = SimpleNamespace(
-        examples_per_step=2, seed=0, num_samples=4, max_new_tokens=BUDGET, temperature=1.0,
-        top_k=0, format_weight=0.0, generate_batch_rows=256, system_prompt="",
-        overlong_buffer=20,
-    )  # fmt: skip
+    argv = ["--examples-per-step=2", "--num-samples=4", f"--max-new-tokens={BUDGET}",
+            "--overlong-buffer=20"]  # fmt: skip
+    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS)  # the others at their defaults
     out = refill.refill_round(
         chat_rl.rollout, setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER
     )

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 
 import chat_rl
 import test_resume
-from plumbing import refill
+from plumbing import flags, refill
 from plumbing.data import refill_problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +69,9 @@ def test_the_step_trains_its_first_groups_with_signal_in_round_order():
 def test_every_round_takes_the_runs_kind_of_advantage():
     rounds = [[[1, 0], [1, 1]], [[1, 0], [0, 0]]]
     first = group_out(rounds[0])
-    cfg = SimpleNamespace(num_samples=S, advantage="zscore")  # the run's step_advantages
+    # the run's config, every flag at its default but these: a flag a fork reads in
+    # step_advantages comes with its default, as in a run
+    cfg = flags.parse_config([f"--num-samples={S}", "--advantage=zscore"], chat_rl.HYPERPARAMETERS)
     _, adv, _, _ = refill.with_refills(
         first,
         chat_rl.step_advantages(first, cfg),
