@@ -359,22 +359,23 @@ def step_advantages(out, cfg):
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
-    penalty per token, ...; docs/objective.md has the recipe). Every (B, T) tensor is laid out as
-    fast/logprobs.make_batch lays out the targets: column t holds token t + 1 of a row (B rows, T
-    the longest row's length - 1): a row p0 p1 c0 c1 (prompt p, completion c) has targets
-    -1 c0 c1, sampled F T T, and logp[i, 1] is log p(c0 | p0 p1); a per-token term from a mask or
-    sequence index t reads column t - 1.
-    logp (B, T): the policy's log-probs of the rows' tokens, 0 where not sampled.
-    batch: advantages, per row (B,) or per token (B, T); normaliser N_i (B,); sampled (B, T) bool (a
-    row may sample none: --mask-truncated); OFF's flags; ref_logp (B, T), the reference's
-    (--kl-beta); old_logp (B, T), the sampling policy's after --ppo-epochs' first update (None
-    before it: these weights sampled the rows); sampler_logp (B, T), what the engine drew each token
-    with (None without it). Returns (loss, stats), each stat a sum over the sampled tokens, shown in
-    the train row as a mean per token of the rows with gradient (kept_tokens x the epochs, not N;
-    train_step()'s step_values holds what is once a step). Both --logprobs paths send the weights
-    exactly autograd's gradient of this function: the fast one calls it on stand-ins for logp to
-    guess that gradient and checks the guess bit for bit (fast/logprobs.Guess, its first
-    paragraph), so keep it a pure function; --logprobs=plain runs it with no guess at all."""
+    penalty per token, ...; docs/objective.md has the recipe). Keep it a pure function: the fast
+    log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
+    (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
+    Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
+    per-token term from a mask or sequence index t reads column t - 1.
+      logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
+      batch.advantages    (B,) a row, or (B, T) a token
+      batch.normaliser    (B,) N_i (normaliser())
+      batch.sampled       (B, T) bool, the tokens S_i (a row may have none: --mask-truncated)
+      batch.<flag>        each flag of OBJECTIVE_FLAGS, as given
+      batch.ref_logp      (B, T) the reference's under --kl-beta, else None
+      batch.old_logp      (B, T) the sampling policy's after --ppo-epochs' first update; None
+                          before it (these weights sampled the rows)
+      batch.sampler_logp  (B, T) what the engine drew each token with; None without it
+    Returns (loss, stats): each stat a sum over the sampled tokens, logged as a mean per token of
+    the rows with gradient (kept_tokens x the epochs, not N; what is once a step goes in
+    train_step()'s step_values instead)."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
