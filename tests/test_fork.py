@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import chat_rl
 import test_objective as base  # the objective's own tests: their model, rollouts and formulas
+import test_objective_options as opts  # the tests' one reference loss, written out
 from fast.logprobs import make_batch, plain_logprobs, sampled_tokens
 from plumbing import checkpoint, flags, metrics
 
@@ -109,20 +110,9 @@ def per_token_advantages(advantages, sequences, seed=0):
 
 
 def written_out(policy, sequences, masks, A, loss_norm):
-    """L = -sum_i sum_{t in S_i} A_it logp_it / N_i, every row, straight from the logits."""
-    inputs, targets = make_batch(sequences, masks, "cpu")
-    sampled = targets >= 0
-    logp = base.direct_logp(policy, inputs, targets, T)
-    tokens = sampled.sum(dim=1).float()
-    kept = base.kept_rows(A.abs().sum(dim=1))
-    N = {
-        "all_tokens": tokens.sum().expand(len(sequences)),
-        "kept_tokens": tokens[kept].sum().expand(len(sequences)),
-        "sequence": len(sequences) * tokens.clamp(min=1),
-    }[loss_norm][:, None]
-    loss = -(A[:, : logp.size(1)] * logp * sampled / N).sum()
-    loss.backward()
-    return loss.detach()
+    """L = -sum_i sum_{t in S_i} A_it logp_it / N_i, every row, straight from the logits: the
+    tests' one reference loss (test_objective_options.written_out) at a per-token A."""
+    return opts.written_out(policy, sequences, masks, A, loss_norm)[0]
 
 
 @pytest.mark.parametrize("loss_norm", base.NORMS)
@@ -144,6 +134,25 @@ def test_a_per_token_advantage_is_its_formula_on_both_paths(path, loss_norm):
     )
     expected = written_out(expected_policy, sequences, masks, A, loss_norm)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_per_token_advantage_under_ppos_clip_is_its_formula_at_a_moved_policy(path):
+    # the clip compares r A_it token by token: a per-token weight (a fork's reweighting) meets
+    # the clip as the written-out reference computes it, the sampling policy's log-probs kept
+    sequences, masks = base.rollouts()
+    A = per_token_advantages(chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES), sequences)
+    policy, expected_policy = (opts.moved(base.small_model(), 0.005, 9) for _ in range(2))
+    loss, _, stats = opts.two_epochs(
+        base.small_model(), policy, sequences, masks, A, "all_tokens", PATHS[path]
+    )
+    expected, cut = opts.written_out(
+        expected_policy, sequences, masks, A, "all_tokens", old=base.small_model()
+    )
+    assert cut[0] + cut[1] > 0  # the clip acts on some tokens: not REINFORCE in disguise
+    assert float(stats["clip_frac"]) == cut[0] + cut[1]
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
 
 

@@ -50,34 +50,40 @@ def frozen_model(model):
 
 
 def written_out(
-    policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None, old=None
-):
-    """L over every row, unanimous groups too, straight from the logits (r = exp(logp - old)):
-        - sum_i sum_{t in S_i} min(r A_i, clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) A_i) / N_i
-          (old None: - sum_i sum_{t in S_i} A_i logp / N_i)
+    policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None, old=None,
+    weight=None,
+):  # fmt: skip
+    """The tests' one reference loss: L over every row, unanimous groups too, straight from the
+    logits (r = exp(logp - old)):
+        - sum_i sum_{t in S_i} w_t min(r A_it, clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) A_it) / N_i
+          (old None: - sum_i sum_{t in S_i} w_t A_it logp / N_i)
         + kl_beta sum_i sum_{t in S_i} (exp(ref - logp) - (ref - logp) - 1) / N_i
-    N_i as --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
+    advantages: (rows,) a row's A_i, or (rows, T) a token's in make_batch's layout; weight: w,
+    (rows, T) in that layout, no gradient (the rollout correction's), 1 if None. N_i as
+    --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
     policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside). A
-    term linear in logp of your own is written out here by the advantages it amounts to (A_i + your
-    term's weight), without a new branch."""
+    term of your own that reweights the advantages is written out by the advantages it amounts to
+    (per row or per token), without a new branch."""
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     sampled = targets >= 0
     logp = base.direct_logp(policy, inputs, targets, T)
     tokens = sampled.sum(dim=1).float()
-    kept = base.kept_rows(advantages) if kl_beta == 0 else torch.ones(len(sequences), dtype=bool)
+    per_row = advantages if advantages.dim() == 1 else advantages.abs().sum(dim=1)
+    kept = base.kept_rows(per_row) if kl_beta == 0 else torch.ones(len(sequences), dtype=bool)
     N = {
         "all_tokens": tokens.sum().expand(len(sequences)),
         "kept_tokens": tokens[kept].sum().expand(len(sequences)),
         "sequence": len(sequences) * tokens.clamp(min=1),
     }[loss_norm][:, None]
-    A, cut = advantages[:, None], (0, 0, 0)
+    A = advantages[:, None] if advantages.dim() == 1 else advantages[:, : logp.size(1)]
+    w, cut = 1.0 if weight is None else weight, (0, 0, 0)
     if old is None:
-        per_token = -A * logp
+        per_token = -w * A * logp
     else:
         with torch.no_grad():
             old_logp = base.direct_logp(old, inputs, targets, T)
         r = torch.exp(logp - old_logp)
-        per_token = -torch.minimum(r * A, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * A)
+        per_token = -w * torch.minimum(r * A, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * A)
         cut = (
             int(((r < 1 - EPS_LOW) & (A < 0) & sampled).sum()),
             int(((r > 1 + EPS_HIGH) & (A > 0) & sampled).sum()),

@@ -57,35 +57,25 @@ def step_with_mismatch():
 
 def written_out(policy, sequences, masks, advantages, q_rows, kind, cap, old=None):
     """L with the correction, every row (unanimous groups too: A = 0), straight from the logits:
-        - sum_i sum_{t in S_i} w_t * A_i * logp_t / N        (old None: REINFORCE)
-        - sum_i sum_{t in S_i} w_t * min(r A_i, clip(r) A_i) / N   (r = exp(logp - old_logp))
-    with rho_t = exp(p_t - q_t), p the sampling weights' log-probs (old's, or logp itself, no
-    gradient), q the sampler's; w = min(rho, cap) (tis), rho inside [1/cap, cap] and 0 outside
-    (mis). N: every sampled token (all_tokens). Backpropagates into policy; returns (L, tokens
-    past the cap)."""
+    test_objective_options.written_out (REINFORCE, or PPO's clip at old) with its per-token
+    weight w from rho_t = exp(p_t - q_t), p the sampling weights' log-probs (old's, or the
+    policy's own, no gradient), q the sampler's: w = min(rho, cap) (tis), rho inside [1/cap, cap]
+    and 0 outside (mis). N: every sampled token (all_tokens). Backpropagates into policy; returns
+    (L, tokens past the cap)."""
     inputs, targets = make_batch(sequences, masks, "cpu")
     sampled = targets >= 0
-    logp = base.direct_logp(policy, inputs, targets, T)
-    if old is None:
-        p = logp.detach()
-    else:
-        with torch.no_grad():
-            p = base.direct_logp(old, inputs, targets, T)
+    with torch.no_grad():
+        p = base.direct_logp(policy if old is None else old, inputs, targets, T)
     q = torch.zeros_like(p)
     for i, row in enumerate(q_rows):
         q[i, : len(row) - 1] = torch.tensor(row[1:])
     rho = torch.exp(p - q)
     inside = (rho >= 1 / cap) & (rho <= cap)
     w = torch.clamp(rho, max=cap) if kind == "tis" else torch.where(inside, rho, 0.0)
-    A = advantages[:, None]
-    if old is None:
-        per_token = -A * logp
-    else:
-        r = torch.exp(logp - p)
-        per_token = -torch.minimum(r * A, torch.clamp(r, 1 - opts.EPS_LOW, 1 + opts.EPS_HIGH) * A)
-    loss = (w * per_token * sampled).sum() / sampled.sum()
-    loss.backward()
-    return loss.detach(), int((~inside & sampled).sum())
+    loss, _ = opts.written_out(
+        policy, sequences, masks, advantages, "all_tokens", old=old, weight=w
+    )
+    return loss, int((~inside & sampled).sum())
 
 
 @pytest.mark.parametrize("kind", ["tis", "mis"])
