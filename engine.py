@@ -142,15 +142,8 @@ def generate_reference(
             # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
             text[b] += piece
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
-                calls[b] += 1
-                # decoded together: a token alone can split a character, drop a space
-                written = tokenizer.decode(new[b])
-                # the expression: after the last '<<', before the '='
-                result = tool(written[written.rfind("<<") + 2 : -1])
-                if result is None:
-                    errors[b] += 1
-                else:
-                    pending[b] = tokenizer.encode(result + ">>")
+                pending[b] = tool_result(tool, tokenizer, new[b])
+                calls[b], errors[b] = calls[b] + 1, errors[b] + (not pending[b])
         running = still_running
     sequences, masks, logprobs = [], [], []
     for b in range(B):
@@ -161,6 +154,14 @@ def generate_reference(
         masks.append([0] * len(prompt[b]) + mask[b])
         logprobs.append([0.0] * len(prompt[b]) + logps[b])
     return Samples(sequences, masks, calls, errors, logprobs)
+
+
+def tool_result(tool, tokenizer, completion):
+    """The tokens a call answers with, for a completion whose text ends in one ('<<48/2='):
+    the tool's result and '>>' ('24>>'), or [] where the tool refuses the expression."""
+    written = tokenizer.decode(completion)  # decoded together: a token alone can split a character
+    result = tool(written[written.rfind("<<") + 2 : -1])  # after the last '<<', before the '='
+    return [] if result is None else tokenizer.encode(result + ">>")
 
 
 def sample_reference(logits, u, temperature, top_k, logprobs=False):
