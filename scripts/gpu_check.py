@@ -59,7 +59,7 @@ import torch
 
 from engine import Engine
 from policy.gpt import GPT, GPTConfig
-from scripts import bench_mixed_lengths, bench_rollout
+from scripts import bench_mixed_lengths, rollout_rates
 from scripts.bench_rl_step import SHAPES, Tokenizer
 from scripts.gpu_check_run import check_run
 from scripts.gpu_check_training import (
@@ -96,7 +96,7 @@ class Setup:
             None,
         )
         self.config = (
-            dict(bench_rollout.CONFIGS["tiny"], attention_bias=True) if quick else SHAPES[shape]
+            dict(rollout_rates.CONFIGS["tiny"], attention_bias=True) if quick else SHAPES[shape]
         )
         # rollouts: prompts x samples rows, prompts of prompt_len random tokens, new_tokens each
         # (mixed: stops from min_len)
@@ -166,7 +166,7 @@ def check_rollout(s):
     model = s.model()
     vocab = model.config.vocab_size
     engine = Engine(model, Tokenizer(vocab))  # no stop tokens: every row makes new_tokens
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    prompts = rollout_rates.random_prompts(s.prompts, s.prompt_len, vocab)
     with s.autocast():
         (_, warm) = s.timed(
             lambda: engine.generate_batch(
@@ -183,12 +183,12 @@ def check_rollout(s):
     tok_s = rows * s.new_tokens / seconds
     peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if s.cuda else ""
     rates = device_rates(s)
-    ceiling = bench_rollout.ceiling_tokens_per_s(
+    ceiling = rollout_rates.ceiling_tokens_per_s(
         GPTConfig(**s.config), rows, s.prompt_len, s.new_tokens, rates, bf16=True
     )
     note = (
         f"{tok_s:,.0f} tok/s ({rows} rows x {s.new_tokens} tokens in {seconds:.2f} s{peak}; "
-        f"warm-up {warm:.1f} s), {bench_rollout.percent(tok_s / ceiling)} of this device's "
+        f"warm-up {warm:.1f} s), {rollout_rates.percent(tok_s / ceiling)} of this device's "
         f"ceiling {ceiling:,.0f} tok/s (bf16 matmuls {rates.bf16_flops / 1e12:.3g} TFLOP/s, reads "
         f"{rates.read_bytes / 1e9:.3g} GB/s)"
     )
@@ -203,7 +203,7 @@ ROLLOUT_SHARE = 0.4
 
 def device_rates(s):
     """This device's bf16 matmul rate (square matmuls) and read bandwidth (a sum over a tensor far
-    past its caches), measured now, the best of three: bench_rollout's ceiling of a decode pass."""
+    past its caches), measured now, the best of three: rollout_rates' ceiling of a decode pass."""
     n, size = (512, 2 * 2**20) if s.quick else (8192, 256 * 2**20)  # 8 MB / 1 GB of fp32
     a, b = (torch.randn(n, n, device=s.device, dtype=torch.bfloat16) for _ in range(2))
     x = torch.randn(size, device=s.device)
@@ -229,7 +229,7 @@ def check_profile(s):
     model = s.model()
     vocab = model.config.vocab_size
     engine = Engine(model, Tokenizer(vocab))
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    prompts = rollout_rates.random_prompts(s.prompts, s.prompt_len, vocab)
     n = s.profile_tokens
 
     def call(tokens):
@@ -273,7 +273,7 @@ def check_profile(s):
 
 def check_mixed(s):
     model = s.model()
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
+    prompts = rollout_rates.random_prompts(s.prompts, s.prompt_len, model.config.vocab_size)
     # bench_rollout's own measurement (bench_mixed_lengths):
     # force_stops makes row r stop after a spread length
     with s.autocast():
@@ -300,7 +300,7 @@ def check_gap(s):
 
     model = s.model()
     vocab = model.config.vocab_size
-    prompts = bench_rollout.random_prompts(s.prompts, s.prompt_len, vocab)
+    prompts = rollout_rates.random_prompts(s.prompts, s.prompt_len, vocab)
     new_tokens = max(4, s.new_tokens // 4)
     with s.autocast(), torch.no_grad():
         out = Engine(model, Tokenizer(vocab)).generate(prompts, s.samples, new_tokens, 1.0, None)
