@@ -574,9 +574,8 @@ def without_truncated(masks, truncated):
 def training_rows(out, advantages, trains, mask_truncated):
     """The rows step 5 trains on, from the rollout's: (sequences, masks, sampler_logp, advantages).
     All of them, unless --refill chose groups (trains, (rows,) bool, a chosen group's every row
-    True; None: all); --mask-truncated
-    zeroes cut-off rows' masks here, after the advantages, so their rewards stay in their groups'
-    means."""
+    True; None: all); --mask-truncated zeroes cut-off rows' masks here, after the advantages, so
+    their rewards stay in their groups' means."""
     sequences, masks, sampler_logp = out["sequences"], out["masks"], out["sampler_logp"]
     if mask_truncated:
         masks = without_truncated(masks, out["truncated"])
