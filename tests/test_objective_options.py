@@ -398,6 +398,8 @@ def test_lora_training_a_module_whole_has_no_base_to_measure_the_kl_to():
         (["--clip-eps=1.0"], r"--clip-eps must be in \[0, 1\)"),
         (["--clip-eps=-0.2"], r"--clip-eps must be in \[0, 1\)"),
         (["--clip-eps-high=-0.5"], "--clip-eps-high must be -1"),
+        (["--clip-eps=0.1"], "--clip-eps acts only with --ppo-epochs > 1: alone it changes"),
+        (["--clip-eps-high=0.28"], "--clip-eps-high acts only with --ppo-epochs > 1"),
         (["--kl-beta=0.1", "--fsdp"], "--kl-beta with --fsdp is not built"),
     ],
 )
