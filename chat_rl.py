@@ -14,7 +14,8 @@ Reading it: the step and its three parts in about 250 lines of plain torch, then
   loss         objective()'s first branch (REINFORCE), normaliser() for N, and
                fast/logprobs.plain_logprobs for logp (make_batch lays out the rows)
   in the run   train_step(), the same step with every option, then train() around it (evals, saves)
-You need nothing else to read the step: the rest is options (listed after the step) and the
+The step also calls plumbing that does what steps 1 and 6 below say (data.problems_for_step,
+distributed.sync_gradients, start.adamw); the rest is options (listed after the step) and the
 machinery of a real run, held by tests to the pieces above. The fast log-probs check the gradient
 they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README: the
 objective), so editing objective() needs none of fast/ read.

@@ -51,22 +51,22 @@ def test_the_off_upper_clip_is_the_lower_one():
 
 @pytest.fixture
 def forked(monkeypatch):
-    """chat_rl with a flag of a fork's own, --entropy-coef (default 0.0, off), added to
+    """chat_rl with a flag of a fork's own, --token-penalty (default 0.0, off), added to
     HYPERPARAMETERS and nowhere else."""
     hyperparameters = {
         **chat_rl.HYPERPARAMETERS,
-        "entropy_coef": (0.0, "weight of an entropy bonus; 0 = off"),
+        "token_penalty": (0.0, "a penalty per sampled token; 0 = off"),
     }
     monkeypatch.setattr(chat_rl, "HYPERPARAMETERS", hyperparameters)
     return hyperparameters
 
 
 def checkpoint_before_the_flag(tmp_path, hyperparameters):
-    """A checkpoint whose run had no --entropy-coef, as one saved before the fork added it."""
+    """A checkpoint whose run had no --token-penalty, as one saved before the fork added it."""
     folder = tmp_path / "step_000003"
     base.small_model().save_pretrained(str(folder))
     cfg = flags.parse_config([f"--out-dir={tmp_path}", "--dtype=fp32"], hyperparameters)
-    older = {k: v for k, v in vars(cfg).items() if k != "entropy_coef"}
+    older = {k: v for k, v in vars(cfg).items() if k != "token_penalty"}
     state = {"step": 3, "optimizer": {}, "rng": [None], "world_size": 1, "config": older}
     torch.save(state, folder / "trainer_state.pt")
 
@@ -77,11 +77,11 @@ def test_a_checkpoint_older_than_a_new_flag_resumes_at_its_default_and_refuses_a
     checkpoint_before_the_flag(tmp_path, forked)
     argv = [f"--out-dir={tmp_path}", "--dtype=fp32", "--resume"]
     assert checkpoint.find_resumable(flags.parse_config(argv, forked), world=1)[0] == 3
-    cfg = flags.parse_config([*argv, "--entropy-coef=0.01"], forked)
+    cfg = flags.parse_config([*argv, "--token-penalty=0.01"], forked)
     with pytest.raises(flags.ConfigError) as refused:
         checkpoint.find_resumable(cfg, world=1)
     message = str(refused.value)
-    assert "entropy_coef (0.0 -> 0.01) (the checkpoint is older than the flag)" in message
+    assert "token_penalty (0.0 -> 0.01) (the checkpoint is older than the flag)" in message
     assert "\n" not in message
 
 
