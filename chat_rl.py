@@ -20,8 +20,13 @@ machinery of a real run, held by tests to the pieces above. The fast log-probs c
 they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README: the
 objective), so editing objective() needs none of fast/ read.
 
-One optimizer step at the default flags, as train_step() runs it. A "rank" is one process of a
-torchrun launch (one per GPU; a laptop has one).
+The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
+problem's num_samples rows are its group; a row's sampled tokens (S_i, mask 1) are those the policy
+drew; kept rows are those with gradient (their group's rewards differ), the only ones the training
+passes run; a pass is one micro-batch's forward and backward; a rank is one process of a torchrun
+launch (one per GPU; a laptop has one), and its share of L is what its rows add to it.
+
+One optimizer step at the default flags, as train_step() runs it.
   1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
      examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
      fixes the data, so a resumed run continues it.
