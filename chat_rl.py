@@ -4,7 +4,7 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step and its three parts in about 250 lines of plain torch, then the run:
+Reading it: the step and its three parts in about 270 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
                test_plain_step.py holds train()'s rewards and gradient to it
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,

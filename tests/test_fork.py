@@ -109,7 +109,7 @@ def per_token_advantages(advantages, sequences, seed=0):
     return advantages[:, None] * weights
 
 
-def written_out(policy, sequences, masks, A, loss_norm):
+def per_token_written_out(policy, sequences, masks, A, loss_norm):
     """L = -sum_i sum_{t in S_i} A_it logp_it / N_i, every row, straight from the logits: the
     tests' one reference loss (test_objective_options.written_out) at a per-token A."""
     return opts.written_out(policy, sequences, masks, A, loss_norm)[0]
@@ -132,7 +132,7 @@ def test_a_per_token_advantage_is_its_formula_on_both_paths(path, loss_norm):
         temperature=T,
         logprobs=PATHS[path],
     )
-    expected = written_out(expected_policy, sequences, masks, A, loss_norm)
+    expected = per_token_written_out(expected_policy, sequences, masks, A, loss_norm)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
 
@@ -202,7 +202,7 @@ def test_on_two_ranks_per_token_advantages_sum_to_one_process_over_every_row(tmp
     A = [per_token_advantages(p[2], p[0], seed=r) for r, p in enumerate(parts)]
     A = torch.cat([torch.nn.functional.pad(a, (0, T_max - a.size(1))) for a in A])
     expected = base.small_model()
-    written_out(expected, sequences, masks, A, "all_tokens")
+    per_token_written_out(expected, sequences, masks, A, "all_tokens")
     for result in results:
         base.assert_same_grads(result["grads"], base.grads(expected))
         assert result["per_step"] == {"spread": 0.5}  # rank 0's 1.0 and rank 1's nothing

@@ -19,7 +19,7 @@ from tasks import arith
 NUM_SAMPLES, BUDGET, BUFFER, FORMAT_WEIGHT = 8, 40, 8, 0.5
 
 
-def written_out(length, L, N):
+def penalty_written_out(length, L, N):
     """DAPO's eq. 13 as the brief states it, piece by piece."""
     if N == 0 or length <= L - N:
         return 0.0
@@ -32,7 +32,7 @@ def written_out(length, L, N):
     [(0, 0.0), (5, 0.0), (6, 0.0), (7, -0.25), (8, -0.5), (9, -0.75), (10, -1.0)],
 )
 def test_the_penalty_is_0_up_to_L_minus_N_then_falls_linearly_to_minus_1_at_L(length, expected):
-    assert chat_rl.overlong_penalty(length, 10, 4) == expected == written_out(length, 10, 4)
+    assert chat_rl.overlong_penalty(length, 10, 4) == expected == penalty_written_out(length, 10, 4)
 
 
 @pytest.mark.parametrize("length", [0, 1, 9, 10])
@@ -73,7 +73,7 @@ def test_the_buffer_changes_no_sample_and_no_other_term(rollouts):
 
 def test_each_total_gains_the_penalty_of_its_whole_length(rollouts):
     off, on = rollouts
-    expected = [written_out(n, BUDGET, BUFFER) for n in off["tokens"]]
+    expected = [penalty_written_out(n, BUDGET, BUFFER) for n in off["tokens"]]
     assert on["overlong"] == expected
     assert on["total"] == [t + p for t, p in zip(off["total"], expected)]
     # the cases the check tells apart: below the buffer, inside it, at the budget
@@ -91,11 +91,11 @@ def test_the_length_counts_the_calculators_tokens_and_the_stop_token(rollouts, t
     off, on = rollouts
     for i, (seq, mask) in enumerate(zip(off["sequences"], off["masks"])):
         length = len(seq) - mask.index(1)  # the prompt: every token before the first sampled one
-        assert on["overlong"][i] == written_out(length, BUDGET, BUFFER)
+        assert on["overlong"][i] == penalty_written_out(length, BUDGET, BUFFER)
     calls = [
         i
         for i, mask in enumerate(off["masks"])
-        if written_out(sampled_tokens(mask), BUDGET, BUFFER) != on["overlong"][i]
+        if penalty_written_out(sampled_tokens(mask), BUDGET, BUFFER) != on["overlong"][i]
     ]
     assert any(off["tool_calls"][i] for i in calls), "no tool call changed a penalty: untested"
     stopped = [
@@ -127,7 +127,7 @@ def test_a_refill_round_pays_it_too():
     out = refill.refill_round(
         chat_rl.rollout, setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER
     )
-    expected = [written_out(n, BUDGET, 20) for n in out["tokens"]]
+    expected = [penalty_written_out(n, BUDGET, 20) for n in out["tokens"]]
     assert any(p < 0 for p in expected), out["tokens"]
     assert out["overlong"] == expected
     assert out["total"] == [a + p for a, p in zip(out["answer"], expected)]

@@ -55,7 +55,7 @@ def step_with_mismatch():
     return sequences, masks, advantages, q_rows, cap
 
 
-def written_out(policy, sequences, masks, advantages, q_rows, kind, cap, old=None):
+def corrected_written_out(policy, sequences, masks, advantages, q_rows, kind, cap, old=None):
     """L with the correction, every row (unanimous groups too: A = 0), straight from the logits:
     test_objective_options.written_out (REINFORCE, or PPO's clip at old) with its per-token
     weight w from rho_t = exp(p_t - q_t), p the sampling weights' log-probs (old's, or the
@@ -97,7 +97,7 @@ def test_each_correction_is_its_formula_at_a_bf16_sampler_and_an_fp32_trainer(pa
         options=opts.options(rollout_correction=kind, rollout_cap=cap),
         sampler_logp=q_rows,
     )
-    expected, past_cap = written_out(
+    expected, past_cap = corrected_written_out(
         expected_policy, sequences, masks, advantages, q_rows, kind, cap
     )
     assert past_cap > 0  # the cap acts on this batch
@@ -127,7 +127,7 @@ def test_after_a_ppo_update_the_weight_is_the_sampling_weights_ratio_to_the_samp
         opts=correction,
         sampler_logp=q_rows,
     )
-    expected, _ = written_out(
+    expected, _ = corrected_written_out(
         expected_policy, sequences, masks, advantages, q_rows, kind, cap, old=base.small_model()
     )
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
@@ -337,7 +337,7 @@ def test_on_two_ranks_the_correction_and_the_gap_are_one_process_over_every_row(
     sequences, masks = parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
     advantages, q_rows = torch.cat([parts[0][2], parts[1][2]]), parts[0][3] + parts[1][3]
     expected = base.small_model()
-    _, past_cap = written_out(expected, sequences, masks, advantages, q_rows, "tis", CAP)
+    _, past_cap = corrected_written_out(expected, sequences, masks, advantages, q_rows, "tis", CAP)
     assert past_cap > 0
     for result in results:
         base.assert_same_grads(result["grads"], base.grads(expected))
