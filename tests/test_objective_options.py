@@ -5,6 +5,16 @@ the k3 estimator of KL to a frozen reference, and PPO's clipped surrogate aggreg
 (TRL's "dapo"), on both --logprobs paths and for each normaliser; the first epoch's ratio of
 exactly 1; the fast path's guess, missed once a pass; two ranks; LoRA's reference, the base with its
 adapters off; the flags; and train()'s epochs, each its own gradient and update.
+
+The harness a test of an objective term of your own uses (docs/objective.md, the recipe's step 3):
+  base.small_model(seed)      a tiny random policy (test_objective.py), V = 48 tokens, T = 0.7
+  base.rollouts()             12 rows, 4 groups of NUM_SAMPLES = 3, random tokens; base.REWARDS
+  base.sampled_rollouts(m)    rows the policy m sampled (a term reading p needs likely tokens)
+  options(**flags)            OFF's objective flags with yours changed
+  moved(model)                the model after some updates (a ratio other than 1)
+  two_epochs(...)             --ppo-epochs=2 through policy_gradient_backward: the second's result
+  written_out(...)            L straight from the logits, backpropagated: the reference
+  base.assert_same_grads      every parameter's gradient compared
 """
 
 import inspect
