@@ -218,9 +218,9 @@ PRESETS = dict(
 )
 # fmt: on
 # objective()'s flags: train_step() hands it each one's value from the command line as batch.<name>.
-# Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. A
-# flag of your own: its line in HYPERPARAMETERS, its name here, its bad values refused in
-# plumbing/flags.check_objective (docs/objective.md has the recipe).
+# Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. An
+# objective flag of your own: its line in HYPERPARAMETERS, its name here, its bad values refused in
+# plumbing/flags.check_objective (an advantage's flag is not one: docs/objective.md, both recipes).
 OBJECTIVE_FLAGS = (
     "kl_beta",
     "ppo_epochs",
@@ -449,8 +449,9 @@ def sampler_gap(logp, sampler_logp, sampled, cap):
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
     """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
     passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
-    advantage (a unanimous group's are exactly 0), per row (rows,) or per token (rows, T); a KL
-    term pulls on every row."""
+    advantage, per row (rows,) or per token (rows, T); compute_advantages zeroes a unanimous
+    group's exactly, and an advantage of yours that leaves one nonzero trains it (and --refill then
+    counts it as signal). A KL term pulls on every row."""
     if kl_beta > 0 or len(advantages) == 0:  # (a rank --refill left no row: none)
         return torch.full((len(advantages),), kl_beta > 0)
     groups = advantages.abs().reshape(len(advantages) // num_samples, -1)  # a group's every entry

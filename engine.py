@@ -174,7 +174,7 @@ def sample_reference(logits, u, temperature, top_k, logprobs=False):
     """
     if temperature == 0.0:
         token = logits.argmax(dim=-1)
-        return (token, torch.zeros(token.shape)) if logprobs else token
+        return (token, torch.zeros(token.shape, device=token.device)) if logprobs else token
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]

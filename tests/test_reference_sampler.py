@@ -328,3 +328,11 @@ def test_a_result_cut_off_by_max_new_tokens_is_cut_alike(opens_a_call):
     assert_same(fast, plain)
     assert [tokenizer.decode(s[len(prompts[0]) :]) for s in fast.sequences] == ["<<2*25=5"] * 2
     assert [m[-2:] for m in fast.masks] == [[1, 0]] * 2
+
+
+@pytest.mark.parametrize("sampler", [sample_reference, sample_next_token])
+def test_greedy_log_probs_are_on_the_logits_device(sampler):
+    # the meta device stands in for a GPU: a CPU tensor here would be a host copy per call there
+    logits, u = torch.randn(2, 5, device="meta"), torch.rand(2, device="meta")
+    token, logp = sampler(logits, u, 0.0, None, logprobs=True)
+    assert token.device == logp.device == logits.device
