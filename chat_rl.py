@@ -22,9 +22,10 @@ objective), so editing objective() needs none of fast/ read.
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
 problem's num_samples rows are its group; a row's sampled tokens (S_i, mask 1) are those the policy
-drew; kept rows are those with gradient (their group's rewards differ), the only ones the training
-passes run; a pass is one micro-batch's forward and backward; a rank is one process of a torchrun
-launch (one per GPU; a laptop has one), and its share of L is what its rows add to it.
+drew; kept rows are those with gradient (at the default flags, a group whose rewards differ), the
+only ones the training passes run; a pass is one micro-batch's forward and backward; a rank is one
+process of a torchrun launch (one per GPU; a laptop has one), and its share of L is what its rows
+add to it.
 
 One optimizer step at the default flags, as train_step() runs it.
   1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
