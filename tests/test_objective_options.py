@@ -485,7 +485,16 @@ def test_each_epoch_starts_from_a_zero_gradient_and_takes_its_own_update(
         assert all(0 <= r["clip_frac"] < 1 for r in rows if epochs > 1)
 
 
-def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
+# objective flags as a command line gives them, a run each: a flag of your own gets a case here,
+# alone or beside the flags it goes with (one that refuses another cannot share a case with it)
+GIVEN = [
+    dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1),
+    dict(rollout_correction="mis", rollout_cap=1.5),
+]
+
+
+@pytest.mark.parametrize("given", GIVEN)
+def test_train_hands_the_objective_its_flags(given, tmp_path, monkeypatch):
     seen, real = [], chat_rl.policy_gradient_backward
 
     def spy(*args, **kwargs):
@@ -493,26 +502,13 @@ def test_train_hands_the_objective_its_flags(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)
-    assert (
-        chat_rl.main(
-            [
-                "--preset=demo",
-                f"--out-dir={tmp_path / 'run'}",
-                "--num-steps=1",
-                "--eval-every=-1",
-                "--examples-per-step=2",
-                "--num-samples=2",
-                "--max-new-tokens=8",
-                "--ppo-epochs=3",
-                "--clip-eps=0.1",
-                "--kl-beta=0.02",
-            ]
-        )
-        == 0
-    )
-    # as given: the upper clip's -1 (--clip-eps) is objective()'s to read (test_fork.py)
-    given = dict(kl_beta=0.02, ppo_epochs=3, clip_eps=0.1, clip_eps_high=-1.0)
-    assert seen == [{**chat_rl.OFF, **given}] * 3  # a flag added to OFF: its off value
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in given.items()]
+    run = ["--num-steps=1", "--eval-every=-1", "--examples-per-step=2", "--num-samples=2"]
+    out = f"--out-dir={tmp_path / 'run'}"
+    assert chat_rl.main(["--preset=demo", out, *run, "--max-new-tokens=8", *argv]) == 0
+    # as given, each epoch; a flag not given at its off value (the upper clip's -1 means
+    # --clip-eps: objective()'s to read, test_fork.py)
+    assert seen == [{**chat_rl.OFF, **given}] * given.get("ppo_epochs", 1)
 
 
 # ---- two ranks: each rank's gradient is one process's over both ranks' rows ----------------------
