@@ -48,8 +48,9 @@ One optimizer step at the default flags, as train_step() runs it.
      it was drawn from. N counts every sampled token of the step, on all ranks, a unanimous
      group's too (normaliser(); --loss-norm has two others).
   6. Update. Gradients are summed over ranks (not averaged: N counts every rank's tokens), their
-     norm clipped to 1, and AdamW steps, unless the loss or the gradient is not finite or no row
-     was kept (rows_with_gradient). The lr falls linearly: step s uses lr x (1 - s / num_steps).
+     norm clipped to 1, and AdamW steps, unless the loss or the gradient is not finite or the
+     kept rows sampled no token (rows_with_gradient, kept_tokens). The lr falls linearly: step s
+     uses lr x (1 - s / num_steps).
   7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1
      (plumbing/evaluation.py).
 

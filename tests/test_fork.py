@@ -220,5 +220,8 @@ def test_an_advantage_kind_is_named_once_and_a_named_kind_without_a_branch_is_re
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="unknown advantage 'my_new_kind'"):
         chat_rl.compute_advantages(rewards, num_samples=2, kind="my_new_kind")
-    for kind in flags.ADVANTAGES[:-1]:  # every kind the flag accepts by default has its branch
-        chat_rl.compute_advantages(rewards, num_samples=2, kind=kind)
+    for kind in flags.ADVANTAGES[:-1]:  # every kind the flag accepts by default has its branch,
+        # called as the run calls it: a kind's own flag arrives from HYPERPARAMETERS' default
+        argv = [f"--advantage={kind}", "--num-samples=2"]
+        cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
+        chat_rl.step_advantages({"total": rewards.tolist()}, cfg)
