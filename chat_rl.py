@@ -343,7 +343,8 @@ def overlong_penalty(length, max_new_tokens, buffer):
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
-    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts). The run calls it from
+    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts); one meant to train
+    unanimous groups too (no baseline) returns before their zeroing below. The run calls it from
     step_advantages alone; plain_step calls it too, at the default kind."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)

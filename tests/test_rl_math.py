@@ -70,7 +70,7 @@ def test_a_group_of_equal_rewards_gets_advantage_exactly_zero_whatever_their_val
     # the float32 mean of 16 x 0.1 (a format bonus alone) is not exactly 0.1: r - mean(r) would be
     # ~1e-8, and the group would look live to the loss: a forward and backward pass for a gradient
     # of rounding noise. (The last check, every mixed group's row nonzero, is these two kinds': a
-    # baseline that can equal a reward, a quantile's, leaves that row 0.)
+    # baseline that can equal a reward, such as a group's median, leaves that row 0.)
     rewards = torch.tensor([0.1] * 16 + [0.7] * 16 + [1.0] * 8 + [0.0] * 8)
     adv = chat_rl.compute_advantages(rewards, num_samples=16, kind=kind)
     assert torch.all(adv[:32] == 0) and torch.all(adv[32:] != 0)
