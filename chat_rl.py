@@ -395,7 +395,7 @@ def objective(logp, batch):
         weight = -(A / N) * correction * sampled  # (B, T), 0 where not sampled
         loss = (weight * logp).sum()
         stats["clip_frac"] = logp.new_zeros(())  # one update a rollout: the ratio is 1, none clips
-    else:  # PPO's clipped surrogate token by token (TRL's "dapo"), ratio 1 until the first update
+    else:  # PPO's clipped surrogate token by token, each over its N_i; ratio 1 until the 1st update
         ratio = torch.exp(logp - old_logp)
         eps_high = (
             batch.clip_eps if batch.clip_eps_high < 0 else batch.clip_eps_high

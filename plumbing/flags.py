@@ -359,7 +359,8 @@ def check_objective(cfg):
             f"--clip-eps-high must be -1 (= --clip-eps) or a finite number >= 0, "
             f"got {cfg.clip_eps_high}"
         )
-    for name in ("clip_eps", "clip_eps_high"):  # read by PPO's branch of objective() alone
+    # read by PPO's branch of objective() alone; DEFAULTS: each flag's default (parse_config's)
+    for name in ("clip_eps", "clip_eps_high"):
         if cfg.ppo_epochs == 1 and getattr(cfg, name) != DEFAULTS.get(name, getattr(cfg, name)):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} acts only with --ppo-epochs > 1: alone it changes nothing")
