@@ -428,27 +428,6 @@ def rollout_weight(old_logp, batch):
     return ratio * ((ratio >= 1 / batch.rollout_cap) & (ratio <= batch.rollout_cap))
 
 
-def sampler_gap(logp, sampler_logp, sampled, cap):
-    """How far the sampler's log-probs q are from the trainer's p on the sampled tokens, as sums
-    (k3, an estimate of KL(q || p) per token; the ratio p / q; tokens with it outside [1 / cap,
-    cap]) and extremes of the ratio: plumbing/metrics.gap_row turns them into the train row's
-    mismatch_* means over all ranks. In fp32 they read 1 and 0 up to rounding; in bf16 they do
-    not."""
-    log_ratio = (logp.detach() - sampler_logp)[sampled]
-    ratio = torch.exp(log_ratio)
-    return dict(
-        sums=torch.stack(
-            [
-                (ratio - log_ratio - 1).sum(),
-                ratio.sum(),
-                ((ratio < 1 / cap) | (ratio > cap)).sum(),
-            ]
-        ),
-        high=ratio.max() if ratio.numel() else ratio.new_ones(()),  # on the passes' device
-        low=ratio.min() if ratio.numel() else ratio.new_ones(()),
-    )
-
-
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
     """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
     passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
@@ -507,7 +486,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each
     row's log-probs as the engine drew it (Samples.logprobs; None: no gap, no correction); saved:
     rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list the first epoch's
-    passes append their sampler_gap to."""
+    passes append their metrics.sampler_gap to."""
     tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
@@ -544,7 +523,9 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
             # the weights that sampled the rows: how far the sampler's numbers are from these
             if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
                 gaps.append(
-                    sampler_gap(logp, batch.sampler_logp, batch.sampled, options["rollout_cap"])
+                    metrics.sampler_gap(
+                        logp, batch.sampler_logp, batch.sampled, options["rollout_cap"]
+                    )
                 )
             loss, batch_stats = objective(logp, batch)
             with torch.autocast(torch.device(device).type, enabled=False):  # as outside it

@@ -68,8 +68,29 @@ def per_token(sums, tokens, device):
     return {name: total / max(tokens, 1) for name, total in zip(names, totals)}
 
 
+def sampler_gap(logp, sampler_logp, sampled, cap):
+    """How far the sampler's log-probs q are from the trainer's p on the sampled tokens, as sums
+    (k3, an estimate of KL(q || p) per token; the ratio p / q; tokens with it outside [1 / cap,
+    cap]) and extremes of the ratio, for one training pass: gap_row turns them into the train row's
+    mismatch_* means over all ranks. In fp32 they read 1 and 0 up to rounding; in bf16 they do
+    not."""
+    log_ratio = (logp.detach() - sampler_logp)[sampled]
+    ratio = torch.exp(log_ratio)
+    return dict(
+        sums=torch.stack(
+            [
+                (ratio - log_ratio - 1).sum(),
+                ratio.sum(),
+                ((ratio < 1 / cap) | (ratio > cap)).sum(),
+            ]
+        ),
+        high=ratio.max() if ratio.numel() else ratio.new_ones(()),  # on the passes' device
+        low=ratio.min() if ratio.numel() else ratio.new_ones(()),
+    )
+
+
 def gap_row(gaps, kept_tokens, device):
-    """The step's sampler/trainer gap (chat_rl.sampler_gap of each pass of its first epoch) as the
+    """The step's sampler/trainer gap (sampler_gap of each pass of its first epoch) as the
     train row's mismatch_* entries, over all ranks: k3 (KL(sampler || trainer) per token), the mean
     ratio p_trainer / p_sampler, the share of tokens past the correction's cap, the largest and the
     smallest ratio; None in a step that kept no row. Every rank calls it (two collectives)."""

@@ -32,7 +32,7 @@ bf16: CI runs the paths a GPU will; nothing is downloaded):
                  matmul rate (target >= 75%)
     mixed        rows stopping at 16..256 tokens against all rows running to 256 (target <= 0.65x)
     gap          the bf16 sampler against the bf16 trainer on the rollout's tokens: the train rows'
-                 mismatch_* (chat_rl.sampler_gap), and what --rollout-correction would act on
+                 mismatch_* (metrics.sampler_gap), and what --rollout-correction would act on
 (rollout, profile, mixed and gap, the engine's checks, are in scripts/gpu_check_rollout.py;
 shared_loss to update, the training pass's, in scripts/gpu_check_training.py; run in
 scripts/gpu_check_run.py.)

@@ -162,7 +162,7 @@ def check_gap(s):
         trainer = fast_logprobs(model, inputs, targets, 1.0, vocab_size=vocab)
     rows = range(len(out.sequences))
     sampler = chat_rl.token_values(out.logprobs, rows, s.device)
-    gap = chat_rl.sampler_gap(trainer, sampler, targets >= 0, cap=2.0)
+    gap = metrics.sampler_gap(trainer, sampler, targets >= 0, cap=2.0)
     row = metrics.gap_row([gap], int((targets >= 0).sum()), s.device)
     note = (
         f"k3 {row['mismatch_k3']:.2e} a token, ratio {row['mismatch_ratio_min']:.3f}.."

@@ -153,7 +153,7 @@ def test_the_gap_is_k3_the_ratio_and_the_tokens_past_the_cap_over_the_sampled_to
     logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -3.0, -1.0]])
     q = torch.tensor([[-1.5, -2.0, 9.0], [-0.5, -1.0, -1.2]])
     sampled = torch.tensor([[True, True, False], [True, True, True]])
-    gap = chat_rl.sampler_gap(logp, q, sampled, cap=1.5)
+    gap = metrics.sampler_gap(logp, q, sampled, cap=1.5)
     log_ratio = torch.tensor([0.5, 0.0, 0.0, -2.0, 0.2])
     ratio = log_ratio.exp()
     expected = torch.stack([(ratio - log_ratio - 1).sum(), ratio.sum(), torch.tensor(2.0)])
@@ -211,7 +211,7 @@ def gap_of(model, samples):
     with torch.no_grad():
         p = fast_logprobs(model, inputs, targets, 1.0)
     q = chat_rl.token_values(samples.logprobs, rows, "cpu")
-    gap = chat_rl.sampler_gap(p, q, targets >= 0, cap=2.0)
+    gap = metrics.sampler_gap(p, q, targets >= 0, cap=2.0)
     return metrics.gap_row([gap], int((targets >= 0).sum()), torch.device("cpu"))
 
 
@@ -347,6 +347,6 @@ def test_on_two_ranks_the_correction_and_the_gap_are_one_process_over_every_row(
     with torch.no_grad():
         p = base.direct_logp(base.small_model(), inputs, targets, T)
     kept, q = base.kept_rows(advantages), chat_rl.token_values(q_rows, range(len(sequences)), "cpu")
-    one = chat_rl.sampler_gap(p[kept], q[kept], (targets >= 0)[kept], CAP)
+    one = metrics.sampler_gap(p[kept], q[kept], (targets >= 0)[kept], CAP)
     for key, value in metrics.gap_row([one], 1, torch.device("cpu")).items():
         assert results[0]["gap"][key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
