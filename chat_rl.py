@@ -4,21 +4,23 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step and its three parts in about 270 lines of plain torch, then the run:
+Reading it: the step and its parts in about 300 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
                test_plain_step.py holds train()'s rewards and gradient to it
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
                which the fast engine.Engine that rollout() calls matches token for token (where
                the logits' last bits, which batching moves, do not cross a token's boundary)
   advantage    compute_advantages()
-  loss         objective()'s first branch (REINFORCE), normaliser() for N, and
-               fast/logprobs.plain_logprobs for logp (make_batch lays out the rows)
+  loss         objective()'s first branch (REINFORCE; its rollout_weight is 1 unless
+               --rollout-correction), normaliser() for N, and fast/logprobs.plain_logprobs for
+               logp (make_batch lays out the rows)
+  update       optimizer_step(): the norm clipped, then a fused AdamW step (plumbing/start.adamw:
+               betas 0.9 and 0.95, --weight-decay 0), after sync_gradients' sum over ranks
   in the run   train_step(), the same step with every option, then train() around it (evals, saves)
-The step also calls plumbing that does what steps 1 and 6 below say (data.problems_for_step,
-distributed.sync_gradients, start.adamw); the rest is options (listed after the step) and the
-machinery of a real run, held by tests to the pieces above. The fast log-probs check the gradient
-they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README: the
-objective), so editing objective() needs none of fast/ read.
+Step 1 below is plumbing/data.problems_for_step; the rest is options (listed after the step)
+and the machinery of a real run, held by tests to the pieces above. The fast log-probs check the
+gradient they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README:
+the objective), so editing objective() needs none of fast/ read.
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
 problem's num_samples rows are its group; a row's sampled tokens (S_i, mask 1) are those the policy
@@ -222,7 +224,8 @@ PRESETS = dict(
 # objective()'s flags: train_step() hands it each one's value from the command line as batch.<name>.
 # Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. An
 # objective flag of your own: its line in HYPERPARAMETERS, its name here, its bad values refused in
-# plumbing/flags.check_objective (an advantage's flag is not one: docs/objective.md, both recipes).
+# plumbing/flags.check_objective. A flag a kind of advantage reads is not one: step_advantages hands
+# it over (docs/objective.md, "A kind of advantage").
 OBJECTIVE_FLAGS = (
     "kl_beta",
     "ppo_epochs",
@@ -261,7 +264,8 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
     # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    N = sum(sampled_tokens(mask) for mask in samples.masks)  # logp is 0 off S_i: no mask below
+    N = sum(sampled_tokens(mask) for mask in samples.masks)
+    # plain_logprobs gives 0 where targets is -1 (not sampled, off S_i): no mask below
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     return loss.detach(), rewards
@@ -344,7 +348,8 @@ def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
     (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
     here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts); one meant to train
-    unanimous groups too (no baseline) returns before their zeroing below. The run calls it from
+    unanimous groups too (no baseline) returns before their zeroing below. S >= 2 always
+    (plumbing/flags.check_config), so a kind may divide by S - 1. The run calls it from
     step_advantages alone; plain_step calls it too, at the default kind."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
