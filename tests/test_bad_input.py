@@ -75,7 +75,7 @@ CASES = [
     (["--save-every=-5"], "positive or -1"),
     (["--num-steps=0"], "positive or -1"),
     (["--task=chess"], "unknown task 'chess'"),
-    (["--advantage=rank"], "--advantage is mean | zscore"),
+    (["--advantage=rank"], f"--advantage is {' | '.join(flags.ADVANTAGES)}, not 'rank'"),
     (["--loss-norm=tokens"], "--loss-norm is kept_tokens | all_tokens | sequence, not 'tokens'"),
     (["--device-type=tpu"], "unknown --device-type 'tpu'"),
     (["--device-batch-tokens=10"], "--device-batch-tokens=10 is below --max-new-tokens=768"),

@@ -224,4 +224,22 @@ def test_an_advantage_kind_is_named_once_and_a_named_kind_without_a_branch_is_re
         # called as the run calls it: a kind's own flag arrives from HYPERPARAMETERS' default
         argv = [f"--advantage={kind}", "--num-samples=2"]
         cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS, chat_rl.PRESETS)
-        chat_rl.step_advantages({"total": rewards.tolist()}, cfg)
+        chat_rl.step_advantages(rollout_out(rewards.tolist()), cfg)
+
+
+def rollout_out(rewards):
+    """rollout()'s dict for completions with these rewards: its every key, replies of 1, 2, 3, ...
+    sampled tokens after a 3-token prompt, so that a kind reading more than the rewards (a length,
+    the masks) runs here as in the run."""
+    n, prompt = len(rewards), [7, 8, 9]
+    replies = [[5] * (i + 1) for i in range(n)]
+    out = dict(
+        sequences=[prompt + r for r in replies],
+        masks=[[0] * len(prompt) + [1] * len(r) for r in replies],
+        sampler_logp=[[0.0] * len(prompt) + [-1.0] * len(r) for r in replies],
+        answer=list(rewards), format=[0.0] * n, overlong=[0.0] * n, total=list(rewards),
+        tokens=[len(r) for r in replies], completions=["5" * len(r) for r in replies],
+        truncated=[False] * n, tool_calls=[0] * n, tool_errors=[0] * n, tool_use=[0.0] * n,
+        reward_errors=[None] * n,
+    )  # fmt: skip
+    return out

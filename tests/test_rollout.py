@@ -99,3 +99,14 @@ def test_each_completion_is_scored_against_its_own_problem(rollout, problems):
         0 < sum(out["answer"]) < len(out["answer"])
     )  # right and wrong answers both: the check had something to tell apart
     assert 0 < sum(out["format"])
+
+
+def test_the_forks_stand_in_for_a_rollout_has_its_every_key(rollout):
+    # tests/test_fork.py calls each advantage kind on rollout_out(): a key rollout() gains must be
+    # there too, or a kind that reads it passes that test and fails in the run
+    from test_fork import rollout_out
+
+    out, _ = rollout
+    stand_in = rollout_out([1.0, 0.0])
+    assert set(stand_in) == set(out)
+    assert all(len(v) == 2 for v in stand_in.values())
