@@ -401,6 +401,7 @@ def objective(logp, batch):
         loss = (weight * logp).sum()
         stats["clip_frac"] = logp.new_zeros(())  # one update a rollout: the ratio is 1, none clips
     else:  # PPO's clipped surrogate token by token, each over its N_i; ratio 1 until the 1st update
+        # (there the loss's value is -sum A / N, with no logp in it; its gradient is REINFORCE's)
         ratio = torch.exp(logp - old_logp)
         eps_high = (
             batch.clip_eps if batch.clip_eps_high < 0 else batch.clip_eps_high
@@ -481,13 +482,15 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
                              saved=None, stats=None, gaps=None):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
-    on all ranks, the shares sum to L however the step is split. Without micro-batches, the fast
-    path and the options, it is
+    on all ranks, the shares sum to L however the step is split. Here objective()'s batch is built,
+    a micro-batch's rows at a time. Without micro-batches, the fast path and the options, it is
         inputs, targets = make_batch(sequences, masks, device)  # targets -1: not sampled
         logp = plain_logprobs(model, inputs, targets, temperature)  # (rows, T)
-        loss = -(advantages[:, None] * logp).sum(dim=1) / N  # then summed over rows
+        A = advantages[:, None] if advantages.dim() == 1 else advantages  # (rows, 1 | T)
+        loss = -(A * logp).sum(dim=1) / N  # then summed over rows
         loss.sum().backward()
-    advantages: (rows,), or (rows, T) per token (objective's layout over all the rows); options:
+    advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at least
+    the longest row's length - 1; each pass cuts it to its own width: row_advantages); options:
     OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each
     row's log-probs as the engine drew it (Samples.logprobs; None: no gap, no correction); saved:
     rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list the first epoch's
@@ -682,7 +685,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
         return None, None
     if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
         return None, failure
-    # 4. r - mean(r) within each group; --refill samples more groups while too few have signal
+    # 4. the advantages (--advantage's kind; r - mean(r) by default); --refill samples more groups
+    # while too few have signal
     advantages = step_advantages(out, cfg)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:

@@ -47,13 +47,15 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
     every round's completions (what the step sampled, its metrics' rows), their advantages, which
     of them train (rows,) bool, and the rounds' counts for the train row; None if sample_round
     returned None (a stop, agreed by every rank). advantages_of: a round's advantages from its
-    rollout, as the first round's were made (step_advantages)."""
+    rollout, as the first round's were made (step_advantages): one a row (rows,), or one a token
+    (rows, T), each round's T its own, the rounds' then zero-padded to the widest."""
     rounds = [(out, advantages)]
     while True:
         # every rank's groups' signal, every round so far: (rounds, world, groups a rank)
         signal = torch.zeros(len(rounds), world, examples_per_step // world, device=device)
         for r, (_, adv) in enumerate(rounds):
-            signal[r, rank] = (adv.view(-1, num_samples).abs().sum(dim=1) > 0).float()
+            group = adv.abs().reshape(adv.size(0) // num_samples, -1)  # a group's every entry
+            signal[r, rank] = (group.sum(dim=1) > 0).float()
         signal = all_reduce_sum(signal).bool()
         if signal.sum() >= examples_per_step or len(rounds) > max_rounds:
             break
@@ -67,7 +69,16 @@ def with_refills(out, advantages, sample_round, examples_per_step, num_samples, 
     every = {key: sum((o[key] for o, _ in rounds), []) for key in out}
     counts = dict(groups_sampled=signal.numel(), groups_kept=int(chosen.sum()),
                   refill_rounds=len(rounds) - 1)  # fmt: skip
-    return every, torch.cat([adv for _, adv in rounds]), trains, counts
+    return every, padded_cat([adv for _, adv in rounds]), trains, counts
+
+
+def padded_cat(advantages):
+    """The rounds' advantages as one tensor: (rows,) a row, or (rows, T) a token, the narrower
+    rounds padded with 0 (no token there) to the widest's T."""
+    if advantages[0].dim() == 1:
+        return torch.cat(advantages)
+    T = max(a.size(1) for a in advantages)
+    return torch.cat([torch.nn.functional.pad(a, (0, T - a.size(1))) for a in advantages])
 
 
 def refill_round(rollout, setup, cfg, step, r, rank, world, device, stop):

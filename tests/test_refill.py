@@ -88,6 +88,29 @@ def test_every_round_takes_the_runs_kind_of_advantage():
     torch.testing.assert_close(adv, expected)  # round 1's z-scored as round 0's: not r - mean(r)
 
 
+def test_rounds_of_per_token_advantages_are_padded_to_the_widest():
+    # a fork's step_advantages giving one advantage a token, (rows, T), each round its own T: a
+    # group has signal where any of its entries is nonzero, and the rounds come back zero-padded
+    rounds = [[[1, 1], [0, 1]], [[1, 0], [0, 0]]]
+
+    def per_token(out):  # r - mean(r) on each of 3 tokens, then a 4th in the second round
+        width = 3 if out["total"] == group_out(rounds[0])["total"] else 4
+        return mean(out)[:, None].expand(-1, width).clone()
+
+    first = group_out(rounds[0])
+    out, adv, trains, counts = refill.with_refills(
+        first, per_token(first), lambda r: group_out(rounds[r]), 2, S, 1, rank=0, world=1,
+        device="cpu", advantages_of=per_token,
+    )  # fmt: skip
+    assert counts == dict(groups_sampled=4, groups_kept=2, refill_rounds=1)
+    assert trains.view(-1, S)[:, 0].tolist() == [0, 1, 1, 0]
+    row = torch.tensor([0.0, 0.0, -0.5, 0.5, 0.5, -0.5, 0.0, 0.0])
+    assert adv.shape == (8, 4)
+    torch.testing.assert_close(adv[:4, :3], row[:4, None].expand(-1, 3))
+    torch.testing.assert_close(adv[4:], row[4:, None].expand(-1, 4))
+    assert adv[:4, 3].abs().sum() == 0  # the first round's missing token: 0, no gradient
+
+
 def test_a_bound_on_the_rounds_trains_on_what_has_signal_by_then():
     rounds = [[[1, 1], [0, 0]], [[0, 1], [1, 1]], [[0, 0], [1, 0]]]
     first = group_out(rounds[0])
