@@ -346,8 +346,10 @@ def overlong_penalty(length, max_new_tokens, buffer):
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
     """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
-    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own: its branch
-    here, its name in plumbing/flags.ADVANTAGES (what --advantage accepts); one meant to train
+    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own from the
+    rewards alone: its branch here, its name in plumbing/flags.ADVANTAGES (what --advantage
+    accepts); one that reads more of the rollout, or gives each token its own, is a step in
+    step_advantages (docs/objective.md, "Where a change goes"); one meant to train
     unanimous groups too (no baseline) returns before their zeroing below. S >= 2 always
     (plumbing/flags.check_config), so a kind may divide by S - 1. The run calls it from
     step_advantages alone; plain_step calls it too, at the default kind."""
