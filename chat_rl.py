@@ -5,8 +5,8 @@ Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. 
 beat their group's average get their log-probability raised, the others lowered.
 
 Reading it: the step and its parts in about 300 lines of plain torch, then the run:
-  the step     plain_step(): sample, score, advantage, loss, backward, in thirty lines; tests/
-               test_plain_step.py holds train()'s rewards and gradient to it
+  the step     plain_step(): sample, score, advantage, loss, backward, update, in forty lines;
+               tests/test_plain_step.py holds train()'s rewards, gradient and update to it
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
                which the fast engine.Engine that rollout() calls matches token for token (where
                the logits' last bits, which batching moves, do not cross a token's boundary)
@@ -238,14 +238,16 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 
 # ---- the step, plainly ---------------------------------------------------------------------------
-def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, temperature, seed,
-               tool=None):  # fmt: skip
-    """Steps 2-5 in plain torch, the whole algorithm on one rank at the default flags (pass
-    tool=calculator.calculate for --tool's default; None samples without it): add the gradient
-    of L to .grad, return (L, the rewards). train_step() computes the same with its fast paths (the
-    Engine's KV cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py
-    holds its rewards and gradient to this one's, in fp32 (no autocast here: under --dtype=bf16
-    the run's numbers round otherwise). Then step 6: optimizer_step."""
+def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
+               temperature, seed, lr, tool=None, grad_clip=1.0):  # fmt: skip
+    """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
+    score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
+    torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0); lr: this step's,
+    the peak x (1 - step / num_steps); tool: calculator.calculate for --tool's default, None
+    samples without it; grad_clip: --grad-clip's. train_step() computes the same with its fast
+    paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
+    tests/test_plain_step.py holds its rewards, gradient and updated weights to this one's, in
+    fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
     # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
@@ -268,6 +270,12 @@ def plain_step(model, tokenizer, task, problems, num_samples, max_new_tokens, te
     # plain_logprobs gives 0 where targets is -1 (not sampled, off S_i): no mask below
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
+    # 6. the gradient's norm clipped (to 1), then one AdamW step at this step's lr (one rank: no sum
+    # over ranks; train_step's optimizer_step also skips a step whose loss is not finite)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
     return loss.detach(), rewards
 
 

@@ -1,5 +1,6 @@
 """chat_rl.plain_step, the step in plain torch, against train()'s first step on the demo: the same
-completions, rewards and gradient, so a reader can learn the algorithm from the plain one."""
+completions, rewards, gradient and updated weights, so a reader can learn the algorithm from the
+plain one."""
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ NUM_SAMPLES, MAX_NEW_TOKENS = 4, 40
 
 
 def first_step_of_train(tmp_path, monkeypatch, *flags):
-    """train()'s step 0 on the demo: its rollout's arguments and output, and the gradient the update
-    was given (after the sum over ranks, before clipping)."""
+    """train()'s step 0 on the demo: its rollout's arguments and output, the gradient its update
+    stepped with (summed over ranks, clipped) and the weights after it."""
     seen = {}
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
 
@@ -24,8 +25,10 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
         return out
 
     def recording_step(model, optimizer, *args):
+        stepped = optimizer_step(model, optimizer, *args)  # clips .grad in place, then steps
         seen["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        return optimizer_step(model, optimizer, *args)
+        seen["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return stepped
 
     monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
     monkeypatch.setattr(chat_rl, "optimizer_step", recording_step)
@@ -36,16 +39,30 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
     return seen
 
 
-@pytest.mark.parametrize("temperature", [1.0, 1.5])
-def test_train_takes_the_plain_steps_gradient(tmp_path, monkeypatch, temperature):
-    train = first_step_of_train(tmp_path, monkeypatch, f"--temperature={temperature}")
+# the demo's step 0 has a gradient norm of 0.08: a clip of 0.05 acts on it, the default's 1 not
+@pytest.mark.parametrize("temperature, grad_clip", [(1.0, 1.0), (1.5, 0.05)])
+def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, temperature,
+                                                         grad_clip):  # fmt: skip
+    flags = f"--temperature={temperature}", f"--grad-clip={grad_clip}"
+    train = first_step_of_train(tmp_path, monkeypatch, *flags)
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")  # the weights step 0 starts at
-    loss, rewards = chat_rl.plain_step(model, tokenizer, arith, train["problems"], NUM_SAMPLES,
-                                       MAX_NEW_TOKENS, temperature, train["seed"],
-                                       tool=calculate)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0)
+    lr = chat_rl.PRESETS["demo"]["lr"]  # step 0's: the peak
+    loss, rewards = chat_rl.plain_step(model, optimizer, tokenizer, arith, train["problems"],
+                                       NUM_SAMPLES, MAX_NEW_TOKENS, temperature, train["seed"], lr,
+                                       tool=calculate, grad_clip=grad_clip)  # fmt: skip
     assert rewards == train["out"]["total"]  # the same completions, scored the same
     groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
     assert loss != 0
+    clear = sum(int((g.abs() > 1e-6).sum()) for g in train["grads"].values())
+    assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # most weights compared
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, train["grads"][name], rtol=1e-4, atol=1e-7), name
+        # AdamW's first step moves a weight by lr x g / (|g| + eps) (m / sqrt(v) is g / |g| after
+        # the bias correction): where |g| is far above its eps of 1e-8, lr x sign(g), whatever the
+        # gradient's last bits; near eps those bits move it by up to a tenth of lr (and fused and
+        # plain AdamW round a weight near 1 a bit apart)
+        clear = train["grads"][name].abs() > 1e-6
+        weights, expected = p.detach()[clear], train["weights"][name][clear]
+        assert torch.allclose(weights, expected, rtol=1e-6, atol=1e-7), name
