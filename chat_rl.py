@@ -404,7 +404,8 @@ def objective(logp, batch):
     N, sampled = batch.normaliser[:, None], batch.sampled
     # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
-    correction = rollout_weight(old_logp, batch)  # 1, unless --rollout-correction
+    no_correction = batch.rollout_correction == "none"  # the default: the sampler's q ignored
+    correction = 1.0 if no_correction else rollout_weight(old_logp, batch)
     stats = {}
     if batch.ppo_epochs == 1:  # REINFORCE, linear in logp: a sampled token's weight is -A_i / N_i
         weight = -(A / N) * correction * sampled  # (B, T), 0 where not sampled
