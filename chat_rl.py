@@ -242,10 +242,11 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
                temperature, seed, lr, tool=None, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0); lr: this step's,
+    torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0) (the run adds
+    fused=True: one kernel, the same update to rounding), its gradients zeroed; lr: this step's,
     the peak x (1 - step / num_steps); tool: calculator.calculate for --tool's default, None
-    samples without it; grad_clip: --grad-clip's. train_step() computes the same with its fast
-    paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
+    samples without it; grad_clip: --grad-clip's (0: off). train_step() computes the same with
+    its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
     tests/test_plain_step.py holds its rewards, gradient and updated weights to this one's, in
     fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
@@ -265,14 +266,15 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
     # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
+    # logp (rows, T): column t the log-prob of a row's token t + 1; 0 where targets is -1 (not
+    # sampled, off S_i): no mask below
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
     N = sum(sampled_tokens(mask) for mask in samples.masks)
-    # plain_logprobs gives 0 where targets is -1 (not sampled, off S_i): no mask below
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     # 6. the gradient's norm clipped (to 1), then one AdamW step at this step's lr (one rank: no sum
     # over ranks; train_step's optimizer_step also skips a step whose loss is not finite)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip or math.inf)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -387,7 +389,10 @@ def objective(logp, batch):
     log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
     (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
-    per-token term from a mask or sequence index t reads column t - 1.
+    per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: at
+    most --device-batch-size of the kept rows (rows_with_gradient), ordered by micro_batches, so
+    a mean or a count over the batch is the pass's, not the step's (the step's N arrives in
+    batch.normaliser); the fast path calls it again on stand-ins of the same shapes (Guess).
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
       batch.advantages    (B,) a row, or (B, T) a token
       batch.normaliser    (B,) N_i (normaliser())

@@ -9,6 +9,7 @@ adapters off; the flags; and train()'s epochs, each its own gradient and update.
 The harness a test of an objective term of your own uses (docs/objective.md, the recipe's step 3):
   base.small_model(seed)      a tiny random policy (test_objective.py), V = 48 tokens, T = 0.7
   base.rollouts()             12 rows, 4 groups of NUM_SAMPLES = 3, random tokens; base.REWARDS
+                              leaves 2 groups with signal: 6 rows, 14 sampled tokens, that train
   base.sampled_rollouts(m)    rows the policy m sampled (a term reading p needs likely tokens)
   options(**flags)            OFF's objective flags with yours changed
   moved(model)                the model after some updates (a ratio other than 1)
@@ -506,8 +507,8 @@ def test_train_hands_the_objective_its_flags(given, tmp_path, monkeypatch):
     run = ["--num-steps=1", "--eval-every=-1", "--examples-per-step=2", "--num-samples=2"]
     out = f"--out-dir={tmp_path / 'run'}"
     assert chat_rl.main(["--preset=demo", out, *run, "--max-new-tokens=8", *argv]) == 0
-    # as given, each epoch; a flag not given at its off value (the upper clip's -1 means
-    # --clip-eps: objective()'s to read, test_fork.py)
+    # as given, each epoch; a flag not given at its off value (the upper clip's -1 is handed
+    # over as -1: objective() reads it as --clip-eps)
     assert seen == [{**chat_rl.OFF, **given}] * given.get("ppo_epochs", 1)
 
 
