@@ -389,10 +389,11 @@ def objective(logp, batch):
     log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
     (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
-    per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: at
-    most --device-batch-size of the kept rows (rows_with_gradient), ordered by micro_batches, so
-    a mean or a count over the batch is the pass's, not the step's (the step's N arrives in
-    batch.normaliser); the fast path calls it again on stand-ins of the same shapes (Guess).
+    per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
+    rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by
+    micro_batches, so a mean or a count over the batch is the pass's, not the step's (the step's N
+    arrives in batch.normaliser); the fast path calls it again on stand-ins of the same shapes
+    (Guess).
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
       batch.advantages    (B,) a row, or (B, T) a token
       batch.normaliser    (B,) N_i (normaliser())
