@@ -7,9 +7,10 @@ beat their group's average get their log-probability raised, the others lowered.
 Reading it: the step and its parts in about 300 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, update, in forty lines;
                tests/test_plain_step.py holds train()'s rewards, gradient and update to it
-  sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler,
-               which the fast engine.Engine that rollout() calls matches token for token (where
-               the logits' last bits, which batching moves, do not cross a token's boundary)
+  sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler
+               (its calculator's lines marked, a first read skips them), which the fast
+               engine.Engine that rollout() calls matches token for token (where the logits'
+               last bits, which batching moves, do not cross a token's boundary)
   advantage    compute_advantages()
   loss         objective()'s first branch (REINFORCE; its rollout_weight is 1 unless
                --rollout-correction), normaliser() for N, and fast/logprobs.plain_logprobs for

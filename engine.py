@@ -129,7 +129,7 @@ def generate_reference(
         drawn, logp = sample_reference(logits, u[running, t], temperature, top_k, logprobs=True)
         still_running = []
         for b, token, lp in zip(running, drawn.tolist(), logp.tolist()):
-            forced = bool(pending[b])
+            forced = bool(pending[b])  # (the calculator's: without tool, never)
             if forced:  # the tool's result goes in place of the draw, which is discarded
                 token, lp = pending[b].pop(0), 0.0
             new[b].append(token)
@@ -138,8 +138,10 @@ def generate_reference(
             if token in tokenizer.stop_tokens:
                 continue
             still_running.append(b)
+            # the rest is the calculator's: a call just written ('<<48/2=') queues its result
+            # ('24>>') in pending, forced at the row's next positions. Each token decoded alone,
+            # as the Engine's tables hold them (a result's tokens too)
             piece = tokenizer.decode([token])
-            # each token decoded alone, as the Engine's tables hold them (a result's tokens too)
             text[b] += piece
             if tool is not None and piece.endswith("=") and CALL.search(text[b]):
                 pending[b] = tool_result(tool, tokenizer, new[b])
