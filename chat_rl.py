@@ -505,7 +505,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
         inputs, targets = make_batch(sequences, masks, device)  # targets -1: not sampled
         logp = plain_logprobs(model, inputs, targets, temperature)  # (rows, T)
         A = advantages[:, None] if advantages.dim() == 1 else advantages  # (rows, 1 | T)
-        loss = -(A * logp).sum(dim=1) / N  # then summed over rows
+        loss = -(A * logp).sum(dim=1) / N  # N: normaliser()'s N_i of each row; then summed
         loss.sum().backward()
     advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at least
     the longest row's length - 1; each pass cuts it to its own width: row_advantages); options:

@@ -12,7 +12,8 @@ The harness a test of an objective term of your own uses (docs/objective.md, the
                               leaves 2 groups with signal: 6 rows, 14 sampled tokens, that train
   base.sampled_rollouts(m)    rows the policy m sampled (a term reading p needs likely tokens)
   options(**flags)            OFF's objective flags with yours changed
-  moved(model)                the model after some updates (a ratio other than 1)
+  moved(model, scale)         the model moved (a ratio other than 1): scale=0.005 about one
+                              update, as the clip test; the default 0.2 much further
   two_epochs(...)             --ppo-epochs=2 through policy_gradient_backward: the second's result
   written_out(...)            L straight from the logits, backpropagated: the reference
   base.assert_same_grads      every parameter's gradient compared

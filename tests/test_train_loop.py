@@ -48,7 +48,7 @@ def demo_run(tmp_path_factory):
     return out, train, evals
 
 
-def test_the_logged_learning_rate_decays_linearly_to_zero(demo_run):
+def test_the_logged_learning_rate_decays_linearly_toward_zero(demo_run):
     _, train, _ = demo_run
     assert [r["step"] for r in train] == list(range(NUM_STEPS))
     assert [r["lr"] for r in train] == pytest.approx(
