@@ -56,14 +56,14 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
     groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
     assert loss != 0
-    clear = sum(int((g.abs() > 1e-6).sum()) for g in train["grads"].values())
-    assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # most weights compared
+    clear = sum(int((g.abs() > 1e-5).sum()) for g in train["grads"].values())
+    assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # a quarter at least
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, train["grads"][name], rtol=1e-4, atol=1e-7), name
         # AdamW's first step moves a weight by lr x g / (|g| + eps) (m / sqrt(v) is g / |g| after
         # the bias correction): where |g| is far above its eps of 1e-8, lr x sign(g), whatever the
         # gradient's last bits; near eps those bits move it by up to a tenth of lr (and fused and
         # plain AdamW round a weight near 1 a bit apart)
-        clear = train["grads"][name].abs() > 1e-6
+        clear = train["grads"][name].abs() > 1e-5
         weights, expected = p.detach()[clear], train["weights"][name][clear]
         assert torch.allclose(weights, expected, rtol=1e-6, atol=1e-7), name
