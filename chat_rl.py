@@ -278,7 +278,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip or math.inf)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.step()
+    if advantages.any():  # no group with signal: no step (AdamW's momentum would still move)
+        optimizer.step()
     return loss.detach(), rewards
 
 
@@ -386,9 +387,12 @@ def step_advantages(out, cfg):
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
-    penalty per token, ...; docs/objective.md has the recipe). Keep it a pure function: the fast
-    log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
-    (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
+    penalty per token, ...; docs/objective.md has the recipe). At the default flags it is the
+    first branch, sum over the sampled tokens of -(A_i / N_i) logp, N_i every sampled token of the
+    step; the rest of this docstring is for the options and the fast path. Keep it a pure
+    function: the fast log-probs call it again on stand-ins to guess its gradient and check the
+    guess bit for bit (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no
+    guess at all.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
     per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
     rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by

@@ -67,3 +67,24 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
         clear = train["grads"][name].abs() > 1e-5
         weights, expected = p.detach()[clear], train["weights"][name][clear]
         assert torch.allclose(weights, expected, rtol=1e-6, atol=1e-7), name
+
+
+def test_a_step_without_signal_takes_no_update():
+    # as optimizer_step skips a step whose kept rows sampled nothing: after a step with signal,
+    # AdamW's momentum would move every weight again at a zero gradient
+    model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0)
+    problems = arith.load("test", limit=4)
+    common = dict(tokenizer=tokenizer, task=arith, num_samples=NUM_SAMPLES, temperature=1.0,
+                  seed=0, lr=chat_rl.PRESETS["demo"]["lr"], tool=calculate)  # fmt: skip
+    _, rewards = chat_rl.plain_step(
+        model, optimizer, problems=problems, max_new_tokens=40, **common
+    )
+    groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
+    assert (groups.amax(1) > groups.amin(1)).any(), "the first step needs signal, for momentum"
+    after_first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # one token a reply: nothing answers, every reward 0, every group unanimous
+    _, rewards = chat_rl.plain_step(model, optimizer, problems=problems, max_new_tokens=1, **common)
+    assert set(rewards) == {0.0}
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), after_first[name]), name
