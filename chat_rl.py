@@ -6,7 +6,9 @@ beat their group's average get their log-probability raised, the others lowered.
 
 Reading it: the step and its parts in about 300 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, update, in forty lines;
-               tests/test_plain_step.py holds train()'s rewards, gradient and update to it
+               tests/test_plain_step.py holds train()'s rewards, gradient and update to it. With
+               the sampler below it is the whole step at the default flags; the loss and update
+               below are the run's, with their options (a fork reads them)
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler
                (its calculator's lines marked, a first read skips them), which the fast
                engine.Engine that rollout() calls matches token for token (where the logits'
@@ -263,14 +265,16 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
         problem, prompt = problems[i // num_samples], prompts[i // num_samples]
         text = tokenizer.decode(sequence[len(prompt) :])
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
-    # 4. advantage: A_i = r_i - the mean reward of completion i's group
+    # 4. advantage: A_i = r_i - the mean reward of completion i's group, (rows,)
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
-    # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens)
-    inputs, targets = make_batch(samples.sequences, samples.masks, device)  # targets -1: not drawn
-    # logp (rows, T): column t the log-prob of a row's token t + 1; 0 where targets is -1 (not
-    # sampled, off S_i): no mask below
+    # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens).
+    # inputs, targets (rows, T), a row shifted by one: prompt p0 p1, sampled a0 a1 ->
+    # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
+    inputs, targets = make_batch(samples.sequences, samples.masks, device)
+    # logp (rows, T): each target's log-prob under softmax(logits / temperature), 0 where -1
+    # (off S_i): no mask below
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    N = sum(sampled_tokens(mask) for mask in samples.masks)
+    N = sum(sampled_tokens(mask) for mask in samples.masks)  # a number: the targets not -1
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     # 6. the gradient's norm clipped (to 1), then one AdamW step at this step's lr (one rank: no sum
