@@ -7,8 +7,8 @@ beat their group's average get their log-probability raised, the others lowered.
 Reading it: the step and its parts in about 300 lines of plain torch, then the run:
   the step     plain_step(): sample, score, advantage, loss, backward, update, in forty lines;
                tests/test_plain_step.py holds train()'s rewards, gradient and update to it. With
-               the sampler below it is the whole step at the default flags; the loss and update
-               below are the run's, with their options (a fork reads them)
+               the sampler below it is the whole step at the default flags; the loss below is
+               the run's, with its options (a fork reads it)
   sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler
                (its calculator's lines marked, a first read skips them), which the fast
                engine.Engine that rollout() calls matches token for token (where the logits'
@@ -245,8 +245,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
                temperature, seed, lr, tool=None, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.0) (the run adds
-    fused=True: one kernel, the same update to rounding), its gradients zeroed; lr: this step's,
+    plumbing/start.adamw (AdamW, betas 0.9 and 0.95, no weight decay), its gradients zeroed;
+    lr: this step's,
     the peak x (1 - step / num_steps); tool: calculator.calculate for --tool's default, None
     samples without it; grad_clip: --grad-clip's (0: off). train_step() computes the same with
     its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
@@ -277,13 +277,11 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     N = sum(sampled_tokens(mask) for mask in samples.masks)  # a number: the targets not -1
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
-    # 6. the gradient's norm clipped (to 1), then one AdamW step at this step's lr (one rank: no sum
-    # over ranks; train_step's optimizer_step also skips a step whose loss is not finite)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip or math.inf)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    if advantages.any():  # no group with signal: no step (AdamW's momentum would still move)
-        optimizer.step()
+    # 6. the gradient's norm clipped, one AdamW step at this step's lr (one rank: no sum over
+    # ranks), the run's optimizer_step: skipped where no group has signal or nothing is finite
+    kept = rows_with_gradient(advantages, num_samples).tolist()
+    kept_tokens = sum(sampled_tokens(m) for m, k in zip(samples.masks, kept) if k)
+    optimizer_step(model, optimizer, lr, grad_clip, float(loss.detach()), kept_tokens)
     return loss.detach(), rewards
 
 

@@ -19,6 +19,7 @@ import chat_rl
 import test_resume
 from plumbing import flags, refill
 from plumbing.data import refill_problems
+from test_fork import rollout_out
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 2  # samples a group
@@ -26,13 +27,7 @@ S = 2  # samples a group
 
 def group_out(rewards):
     """rollout()'s dict for groups of S completions with these rewards (a list per group)."""
-    total = [float(r) for group in rewards for r in group]
-    n = len(total)
-    out = {key: [None] * n for key in ("sequences", "masks", "sampler_logp", "completions")}
-    out.update(total=total, answer=total, format=[0.0] * n, tokens=[1] * n)
-    for key in ("truncated", "tool_calls", "tool_errors", "tool_use", "reward_errors"):
-        out[key] = [0] * n
-    return out
+    return rollout_out([float(r) for group in rewards for r in group])
 
 
 def mean(out):
