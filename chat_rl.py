@@ -4,26 +4,13 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step and its parts in about 300 lines of plain torch, then the run:
-  the step     plain_step(): sample, score, advantage, loss, backward, update, in forty lines;
-               tests/test_plain_step.py holds train()'s rewards, gradient and update to it. With
-               the sampler below it is the whole step at the default flags; the loss below is
-               the run's, with its options (a fork reads it)
-  sampling     engine.generate_reference, with uniforms and sample_reference: the plain sampler
-               (its calculator's lines marked, a first read skips them), which the fast
-               engine.Engine that rollout() calls matches token for token (where the logits'
-               last bits, which batching moves, do not cross a token's boundary)
-  advantage    compute_advantages()
-  loss         objective()'s first branch (REINFORCE; its rollout_weight is 1 unless
-               --rollout-correction), normaliser() for N, and fast/logprobs.plain_logprobs for
-               logp (make_batch lays out the rows)
-  update       optimizer_step(): the norm clipped, then a fused AdamW step (plumbing/start.adamw:
-               betas 0.9 and 0.95, --weight-decay 0), after sync_gradients' sum over ranks
-  in the run   train_step(), the same step with every option, then train() around it (evals, saves)
-Step 1 below is plumbing/data.problems_for_step; the rest is options (listed after the step)
-and the machinery of a real run, held by tests to the pieces above. The fast log-probs check the
-gradient they send against objective()'s own (fast/logprobs.Guess, its first paragraph; README:
-the objective), so editing objective() needs none of fast/ read.
+Reading it: the step is written out once, in the list below, each part with the function that
+holds it; plain_step() is steps 2-6 in forty lines of plain torch, the whole step at the default
+flags (tests/test_plain_step.py holds the run's rewards, gradient and update to it). train_step()
+is the same step with every option and the fast paths (the Engine, the fast log-probs,
+micro-batches, ranks), each held by its tests to the plain piece named below; train() runs it,
+with evals and saves. Editing objective() needs none of fast/ read: the fast log-probs check the
+gradient they send against objective()'s own (fast/logprobs.Guess, its first paragraph).
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
 problem's num_samples rows are its group; a row's sampled tokens (S_i, mask 1) are those the policy
@@ -32,44 +19,37 @@ only ones the training passes run; a pass is one micro-batch's forward and backw
 process of a torchrun launch (one per GPU; a laptop has one), and its share of L is what its rows
 add to it.
 
-One optimizer step at the default flags, as train_step() runs it.
-  1. Problems. Each epoch fixes a permutation of the training problems; each step takes its next
-     examples_per_step, each rank an equal, contiguous share (plumbing/data.py): the step alone
-     fixes the data, so a resumed run continues it.
-  2. Sampling. The Engine samples num_samples completions of each problem, its group, at
-     temperature 1, each problem from a random stream of its own (the same on 1 rank or 8); the
-     stop token is sampled and trained like any other. A calculator call such as `<<48/2=` gets
-     its result `24>>` written in. A mask marks each token of a sequence: 1 if the policy sampled
-     it, 0 for the prompt and the calculator's results.
-  3. Scoring (tasks/common.rewards). The reward is 1 if the verifier finds the right final answer
+One optimizer step at the default flags, [the plain piece; the run's where it differs]:
+  1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
+     problems; each step takes its next examples_per_step, each rank an equal, contiguous share:
+     the step alone fixes the data, so a resumed run continues it.
+  2. Sampling [engine.generate_reference, the calculator's lines marked (a first read skips them);
+     rollout()'s engine.Engine, the same tokens from a KV cache]. num_samples completions of each
+     problem, its group, at temperature 1, each problem from a random stream of its own (the same
+     on 1 rank or 8); the stop token is sampled and trained like any other. A calculator call such
+     as `<<48/2=` gets its result `24>>` written in. A mask marks each token of a sequence: 1 if
+     the policy sampled it, 0 for the prompt and the calculator's results.
+  3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
-  4. Advantage. A_i = r_i - the mean reward of completion i's group. A group whose samples all
-     scored the same has A = 0: no gradient, so its rows skip the training passes.
-  5. Loss (objective(), which a fork edits; policy_gradient_backward runs it). Over the step's
+  4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group. A group
+     whose samples all scored the same has A = 0: no gradient, so its rows skip the training passes.
+  5. Loss [plain_step's loss lines, fast/logprobs.plain_logprobs for logp, make_batch the rows;
+     objective()'s first branch, which a fork edits, normaliser() for N]. Over the step's
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from. N counts every sampled token of the step, on all ranks, a unanimous
-     group's too (normaliser(); --loss-norm has two others).
-  6. Update. Gradients are summed over ranks (not averaged: N counts every rank's tokens), their
-     norm clipped to 1, and AdamW steps, unless the loss or the gradient is not finite or the
-     kept rows sampled no token (rows_with_gradient, kept_tokens). The lr falls linearly: step s
-     uses lr x (1 - s / num_steps).
-  7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1
-     (plumbing/evaluation.py).
-
-The options, by the step they change (off by default; --help lists them all):
-  2  --temperature; --top-k truncates the distribution, which the loss does not model (keep 0);
-     --tool=none samples without the calculator
-  3  --format-weight adds format (1 for the answer given once, in the task's form, at the end);
-     --overlong-buffer DAPO's length penalty (overlong_penalty); --reward a function of yours;
-     --mask-truncated: cut-off completions train no token (their rewards stay in the means)
-  4  --advantage=zscore; --refill: DAPO's dynamic sampling (plumbing/refill.py)
-  5  --loss-norm: N_i per completion (normaliser()'s table); --kl-beta, --ppo-epochs and
-     --rollout-correction: objective()'s other branches (docs/objective.md); --kl-beta's term
-     pulls on every row, so unanimous groups train too
-  6  --grad-clip; --lr, or --lora-lr with --lora-rank
+     group's too (--loss-norm has two others).
+  6. Update [optimizer_step(); AdamW from plumbing/start.adamw: betas 0.9 and 0.95, no weight
+     decay]. Gradients are summed over ranks (sync_gradients; not averaged: N counts every rank's
+     tokens), their norm clipped to 1, and AdamW steps, unless the loss or the gradient is not
+     finite or the kept rows sampled no token (rows_with_gradient, kept_tokens). The lr falls
+     linearly: step s uses lr x (1 - s / num_steps).
+  7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
+     samples at temperature 1.
+Every option is off by default and changes one of these steps: plumbing/flags.py's docstring
+lists them by step, --help with their values.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost

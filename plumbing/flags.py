@@ -8,6 +8,18 @@ their changes to the defaults. A run starts from the defaults, with a preset's c
 --name=value and --name value both work, as in every argparse script; a bare --name sets a
 boolean. Every impossible or nonsensical combination is refused with a one-line reason
 (ConfigError) before any process group, model or data is touched.
+
+The options, by the step of chat_rl.py's docstring they change (each off by default):
+  2  --temperature; --top-k truncates the distribution, which the loss does not model (keep 0);
+     --tool=none samples without the calculator
+  3  --format-weight adds format (1 for the answer given once, in the task's form, at the end);
+     --overlong-buffer DAPO's length penalty (overlong_penalty); --reward a function of yours;
+     --mask-truncated: cut-off completions train no token (their rewards stay in the means)
+  4  --advantage=zscore; --refill: DAPO's dynamic sampling (plumbing/refill.py)
+  5  --loss-norm: N_i per completion (normaliser()'s table); --kl-beta, --ppo-epochs and
+     --rollout-correction: objective()'s other branches (docs/objective.md); --kl-beta's term
+     pulls on every row, so unanimous groups train too
+  6  --grad-clip; --lr, or --lora-lr with --lora-rank
 """
 
 import difflib
