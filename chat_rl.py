@@ -6,50 +6,54 @@ beat their group's average get their log-probability raised, the others lowered.
 
 Reading it: the step is written out once, in the list below, each part with the function that
 holds it; plain_step() is steps 2-6 in forty lines of plain torch, the whole step at the default
-flags (tests/test_plain_step.py holds the run's rewards, gradient and update to it). train_step()
-is the same step with every option and the fast paths (the Engine, the fast log-probs,
-micro-batches, ranks), each held by its tests to the plain piece named below; train() runs it,
-with evals and saves. Editing objective() needs none of fast/ read: the fast log-probs check the
-gradient they send against objective()'s own (fast/logprobs.Guess, its first paragraph).
+flags (tests/test_plain_step.py holds the run's rewards, gradient and update to it). Read to there
+for the algorithm. train_step() is the same step with every option and the fast paths (the Engine,
+the fast log-probs, micro-batches, ranks), each held by its tests to a plain piece, and train()
+runs it, with evals and saves. Editing objective(), the loss a fork (your edited copy) changes,
+needs none of fast/ read: the fast log-probs check the gradient they send against objective()'s
+own (fast/logprobs.Guess, its first paragraph).
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
-problem's num_samples rows are its group; a row's sampled tokens (S_i, mask 1) are those the policy
-drew; kept rows are those with gradient (at the default flags, a group whose rewards differ), the
-only ones the training passes run; a pass is one micro-batch's forward and backward; a rank is one
-process of a torchrun launch (one per GPU; a laptop has one), and its share of L is what its rows
-add to it.
+problem's num_samples rows are its group, unanimous when its rewards are all equal; a row's
+sampled tokens (S_i, mask 1) are those the policy drew; kept rows are those with gradient (at the
+default flags, the groups not unanimous), the only ones the training passes run; a pass is one
+micro-batch's forward and backward; a rank is one process of a torchrun launch (one per GPU; a
+laptop has one), and its share of L is what its rows add to it.
 
-One optimizer step at the default flags, [the plain piece; the run's where it differs]:
+One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
      problems; each step takes its next examples_per_step, each rank an equal, contiguous share:
      the step alone fixes the data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference, the calculator's lines marked (a first read skips them);
-     rollout()'s engine.Engine, the same tokens from a KV cache]. num_samples completions of each
-     problem, its group, at temperature 1, each problem from a random stream of its own (the same
-     on 1 rank or 8); the stop token is sampled and trained like any other. A calculator call such
-     as `<<48/2=` gets its result `24>>` written in. A mask marks each token of a sequence: 1 if
-     the policy sampled it, 0 for the prompt and the calculator's results.
+  2. Sampling [engine.generate_reference; a first read skips its calculator's lines, on pending].
+     num_samples completions of each problem, its group, at temperature 1, each problem from a
+     random stream of its own (the same on 1 rank or 8); the stop token is sampled and trained
+     like any other. A calculator call such as `<<48/2=` gets its result `24>>` written in. A mask
+     marks each token of a sequence: 1 if the policy sampled it, 0 for the prompt and the
+     calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
-  4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group. A group
-     whose samples all scored the same has A = 0: no gradient, so its rows skip the training passes.
-  5. Loss [plain_step's loss lines, fast/logprobs.plain_logprobs for logp, make_batch the rows;
-     objective()'s first branch, which a fork edits, normaliser() for N]. Over the step's
+  4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
+     number a row. A unanimous group has A = 0: no gradient, so its rows skip the training passes.
+  5. Loss [plain_step's loss lines; logp from fast/logprobs.plain_logprobs]. Over the step's
      completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-     it was drawn from. N counts every sampled token of the step, on all ranks, a unanimous
-     group's too (--loss-norm has two others).
-  6. Update [optimizer_step(); AdamW from plumbing/start.adamw: betas 0.9 and 0.95, no weight
-     decay]. Gradients are summed over ranks (sync_gradients; not averaged: N counts every rank's
-     tokens), their norm clipped to 1, and AdamW steps, unless the loss or the gradient is not
-     finite or the kept rows sampled no token (rows_with_gradient, kept_tokens). The lr falls
-     linearly: step s uses lr x (1 - s / num_steps).
+     it was drawn from (exactly in fp32; bf16 sampling, a GPU's default, rounds otherwise:
+     --rollout-correction). In code logp is (rows, T), 0 off S_i (make_batch's layout). N is one
+     number, every sampled token of the step on all ranks, a unanimous group's too; normaliser()
+     gives it to each row as N_i, which only --loss-norm=sequence makes differ.
+  6. Update [optimizer_step()]. The gradients, zeroed before the step's backward, are summed over
+     ranks (sync_gradients; not averaged: N counts every rank's tokens), their norm clipped to 1,
+     and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and 0.95, eps 1e-8, no weight decay),
+     unless the loss or the gradient is not finite or no row has gradient (kept_tokens 0). The lr
+     falls linearly: step s = 0, 1, ... uses lr x (1 - s / num_steps), the peak at step 0.
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
-Every option is off by default and changes one of these steps: plumbing/flags.py's docstring
-lists them by step, --help with their values.
+The run's versions: rollout() samples with engine.Engine (the same tokens from a KV cache),
+objective()'s first branch is step 5's loss (normaliser() its N), train_step() zeroes, sums and
+steps. Every option is off by default and changes one of these steps: plumbing/flags.py's
+docstring lists them by step, --help with their values.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -63,7 +67,7 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   4. Token-level normalisation (all_tokens, what TRL names loss_type="dapo"): every token weighs
      the same whatever its completion's length, and steps shrink as groups turn unanimous (less
      left to learn). kept_tokens counts only the groups with signal, as the DAPO paper's filtered
-     batches do, and keeps the steps' size; sequence is GRPO's (all C). --refill is DAPO's
+     batches do, and keeps the steps' size; sequence is GRPO's (per completion). --refill is DAPO's
      dynamic sampling: more problems sampled until the step's groups all carry signal.
 
 Run it:
@@ -225,13 +229,12 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
                temperature, seed, lr, tool=None, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    plumbing/start.adamw (AdamW, betas 0.9 and 0.95, no weight decay), its gradients zeroed;
-    lr: this step's,
-    the peak x (1 - step / num_steps); tool: calculator.calculate for --tool's default, None
-    samples without it; grad_clip: --grad-clip's (0: off). train_step() computes the same with
-    its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
-    tests/test_plain_step.py holds its rewards, gradient and updated weights to this one's, in
-    fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
+    plumbing/start.adamw, its gradients zeroed; lr: this step's (step 6); tool:
+    calculator.calculate for --tool's default, None samples without it; grad_clip: --grad-clip's
+    (0: off). train_step() computes the same with its fast paths (the Engine's KV cache,
+    micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its rewards,
+    gradient and updated weights to this one's, in fp32 (no autocast here: under --dtype=bf16
+    the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
     # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
@@ -247,7 +250,7 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
     # 4. advantage: A_i = r_i - the mean reward of completion i's group, (rows,)
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
-    # 5. L = -sum_i sum_{t in S_i} A_i * logp_it / N, N the step's sampled tokens (all_tokens).
+    # 5. the loss L of the module docstring's step 5 (one rank: N is its sampled tokens).
     # inputs, targets (rows, T), a row shifted by one: prompt p0 p1, sampled a0 a1 ->
     # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)
@@ -370,8 +373,8 @@ def step_advantages(out, cfg):
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
     penalty per token, ...; docs/objective.md has the recipe). At the default flags it is the
-    first branch, sum over the sampled tokens of -(A_i / N_i) logp, N_i every sampled token of the
-    step; the rest of this docstring is for the options and the fast path. Keep it a pure
+    first branch, the module docstring's step 5 for this pass's rows; the rest of this docstring
+    is for the options and the fast path. Keep it a pure
     function: the fast log-probs call it again on stand-ins to guess its gradient and check the
     guess bit for bit (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no
     guess at all.
@@ -488,11 +491,7 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
     on all ranks, the shares sum to L however the step is split. Here objective()'s batch is built,
     a micro-batch's rows at a time. Without micro-batches, the fast path and the options, it is
-        inputs, targets = make_batch(sequences, masks, device)  # targets -1: not sampled
-        logp = plain_logprobs(model, inputs, targets, temperature)  # (rows, T)
-        A = advantages[:, None] if advantages.dim() == 1 else advantages  # (rows, 1 | T)
-        loss = -(A * logp).sum(dim=1) / N  # N: normaliser()'s N_i of each row; then summed
-        loss.sum().backward()
+    plain_step's step-5 lines (an advantage per token multiplying logp as it is, not [:, None]).
     advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at least
     the longest row's length - 1; each pass cuts it to its own width: row_advantages); options:
     OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each
@@ -591,7 +590,8 @@ def training_rows(out, advantages, trains, mask_truncated):
 
 # ---- 6. step -------------------------------------------------------------------------------------
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
-    """Clip the global gradient norm, then take one AdamW step at lr. Returns (grad_norm, finite).
+    """Clip the global gradient norm, then take one AdamW step at lr. Returns (the norm before
+    clipping, finite).
     Skipped if the loss or the gradient is not finite, and if no group was kept (a zero gradient,
     but AdamW's momentum would still move the weights); the lr schedule moves on through it."""
     for group in optimizer.param_groups:
