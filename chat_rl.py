@@ -5,55 +5,55 @@ Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. 
 beat their group's average get their log-probability raised, the others lowered.
 
 Reading it: the step is written out once, in the list below, each part with the function that
-holds it; plain_step() is steps 2-6 in forty lines of plain torch, the whole step at the default
-flags (tests/test_plain_step.py holds the run's rewards, gradient and update to it). Read to there
-for the algorithm. train_step() is the same step with every option and the fast paths (the Engine,
-the fast log-probs, micro-batches, ranks), each held by its tests to a plain piece, and train()
-runs it, with evals and saves. Editing objective(), the loss a fork (your edited copy) changes,
-needs none of fast/ read: the fast log-probs check the gradient they send against objective()'s
-own (fast/logprobs.Guess, its first paragraph).
+holds it; plain_step() is steps 2-6 in forty-five lines of plain torch, the whole step at the
+default flags, learning rate and gradient zeroing included (tests/test_plain_step.py holds the
+run's rewards, gradient and update to it). Read to there for the algorithm. train_step() is the
+same step with every option and the fast paths (the Engine, the fast log-probs, micro-batches,
+ranks), each held by its tests to a plain piece, and train() runs it, with evals and saves.
+Editing objective(), the loss a fork (your edited copy) changes, needs none of fast/ read: the
+fast log-probs check the gradient they send against objective()'s own (fast/logprobs.Guess, its
+first paragraph).
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
 problem's num_samples rows are its group, unanimous when its rewards are all equal; a row's
 sampled tokens (S_i, mask 1) are those the policy drew; kept rows are those with gradient (at the
 default flags, the groups not unanimous), the only ones the training passes run; a pass is one
 micro-batch's forward and backward; a rank is one process of a torchrun launch (one per GPU; a
-laptop has one), and its share of L is what its rows add to it.
+laptop has one), and its share of the loss L (step 5) is what its rows add to it.
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
      problems; each step takes its next examples_per_step, each rank an equal, contiguous share:
      the step alone fixes the data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference; a first read skips its calculator's lines, on pending].
-     num_samples completions of each problem, its group, at temperature 1, each problem from a
-     random stream of its own (the same on 1 rank or 8); the stop token is sampled and trained
-     like any other. A calculator call such as `<<48/2=` gets its result `24>>` written in. A mask
-     marks each token of a sequence: 1 if the policy sampled it, 0 for the prompt and the
-     calculator's results.
+  2. Sampling [engine.generate_reference, whose calculator lines a first read skips]. num_samples
+     completions of each problem, its group, at temperature 1, each problem from a random stream
+     of its own (the same on 1 rank or 8); the stop token is sampled and trained like any other. A
+     calculator call such as `<<48/2=` gets its result `24>>` written in. A mask marks each token
+     of a sequence: 1 if the policy sampled it, 0 for the prompt and the calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
   4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
      number a row. A unanimous group has A = 0: no gradient, so its rows skip the training passes.
-  5. Loss [plain_step's loss lines; logp from fast/logprobs.plain_logprobs]. Over the step's
-     completions i on all ranks, and the tokens S_i each sampled (mask 1):
+  5. Loss [plain_step's step-5 lines; fast/logprobs.py's make_batch and plain_logprobs]. Over the
+     step's completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-     it was drawn from (exactly in fp32; bf16 sampling, a GPU's default, rounds otherwise:
-     --rollout-correction). In code logp is (rows, T), 0 off S_i (make_batch's layout). N is one
-     number, every sampled token of the step on all ranks, a unanimous group's too; normaliser()
-     gives it to each row as N_i, which only --loss-norm=sequence makes differ.
-  6. Update [optimizer_step()]. The gradients, zeroed before the step's backward, are summed over
-     ranks (sync_gradients; not averaged: N counts every rank's tokens), their norm clipped to 1,
-     and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and 0.95, eps 1e-8, no weight decay),
-     unless the loss or the gradient is not finite or no row has gradient (kept_tokens 0). The lr
-     falls linearly: step s = 0, 1, ... uses lr x (1 - s / num_steps), the peak at step 0.
+     it was drawn from; in code logp is (rows, T), 0 off S_i. N is one number: every sampled token
+     of the step on all ranks, a unanimous group's too.
+  6. Update [plain_step's step-6 lines]. The gradients, zeroed before the step's backward, are
+     summed over ranks (plumbing/distributed.sync_gradients; not averaged: N counts every rank's
+     tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
+     0.95, eps 1e-8, no weight decay), unless the loss or the gradient is not finite or no group
+     has signal. The lr falls linearly: step s = 0, 1, ... uses lr x (1 - s / num_steps).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
-The run's versions: rollout() samples with engine.Engine (the same tokens from a KV cache),
-objective()'s first branch is step 5's loss (normaliser() its N), train_step() zeroes, sums and
-steps. Every option is off by default and changes one of these steps: plumbing/flags.py's
-docstring lists them by step, --help with their values.
+The run's versions: rollout() samples with engine.Engine (the same tokens from a KV cache);
+objective()'s first branch is step 5's loss, normaliser() its N (per row, N_i, which only
+--loss-norm=sequence makes differ); optimizer_step() is step 6. Under bf16 (a GPU's default) the
+sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). Every option is
+off by default and changes one of these steps: plumbing/flags.py's docstring lists them by step,
+--help with their values.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -226,16 +226,17 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 # ---- the step, plainly ---------------------------------------------------------------------------
 def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
-               temperature, seed, lr, tool=None, grad_clip=1.0):  # fmt: skip
+               temperature, seed, step, num_steps, peak_lr, tool=None, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    plumbing/start.adamw, its gradients zeroed; lr: this step's (step 6); tool:
-    calculator.calculate for --tool's default, None samples without it; grad_clip: --grad-clip's
-    (0: off). train_step() computes the same with its fast paths (the Engine's KV cache,
-    micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its rewards,
-    gradient and updated weights to this one's, in fp32 (no autocast here: under --dtype=bf16
-    the run's numbers round otherwise)."""
+    plumbing/start.adamw (torch's AdamW: fused, betas 0.9 and 0.95, eps 1e-8, weight decay 0);
+    step: 0, 1, ... of num_steps; tool: calculator.calculate for --tool's default, None samples
+    without it; grad_clip: --grad-clip's (0: off). train_step() computes the same with its fast
+    paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
+    tests/test_plain_step.py holds its rewards, gradient and updated weights to this one's, in
+    fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
     # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
     # the model run over each whole row (no cache); mask 1 where the policy drew the token
@@ -255,16 +256,19 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)
     # logp (rows, T): each target's log-prob under softmax(logits / temperature), 0 where -1
-    # (off S_i): no mask below
+    # (off S_i), so the sum below runs over S_i alone
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    N = sum(sampled_tokens(mask) for mask in samples.masks)  # a number: the targets not -1
+    N = (targets >= 0).sum()  # a number: the step's sampled tokens
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
-    # 6. the gradient's norm clipped, one AdamW step at this step's lr (one rank: no sum over
-    # ranks), the run's optimizer_step: skipped where no group has signal or nothing is finite
-    kept = rows_with_gradient(advantages, num_samples).tolist()
-    kept_tokens = sum(sampled_tokens(m) for m, k in zip(samples.masks, kept) if k)
-    optimizer_step(model, optimizer, lr, grad_clip, float(loss.detach()), kept_tokens)
+    # 6. the gradient's norm clipped, then one AdamW step at this step's lr (one rank: no sum over
+    # ranks). None without signal, where AdamW's momentum would move every weight at a zero
+    # gradient, nor if anything is not finite; optimizer_step() is the run's version
+    for group in optimizer.param_groups:
+        group["lr"] = peak_lr * (1 - step / num_steps)  # from the peak at step 0 toward 0
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    if advantages.any() and norm.isfinite() and loss.isfinite():
+        optimizer.step()
     return loss.detach(), rewards
 
 

@@ -21,10 +21,12 @@ from plumbing.metrics import MetricsLog
 
 def adamw(parameters, lr, settings):
     """AdamW, fused (one kernel for all), at the run's weight_decay, adam_beta1 and adam_beta2
-    (settings: the run's cfg; flags.parse_config([], HYPERPARAMETERS) for the defaults); one param
-    group: weight_decay > 0 decays norms too."""
+    (settings: the run's cfg; flags.parse_config([], HYPERPARAMETERS) for the defaults), eps 1e-8
+    (torch's default, written out); one param group: weight_decay > 0 decays norms too."""
     betas = (settings.adam_beta1, settings.adam_beta2)
-    return torch.optim.AdamW(parameters, lr, betas, weight_decay=settings.weight_decay, fused=True)
+    return torch.optim.AdamW(
+        parameters, lr, betas, eps=1e-8, weight_decay=settings.weight_decay, fused=True
+    )
 
 
 def start(cfg, rank, world, device):

@@ -37,7 +37,7 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
             "--examples-per-step=4", f"--num-samples={NUM_SAMPLES}",
             f"--max-new-tokens={MAX_NEW_TOKENS}", "--device-batch-size=5", *flags]  # fmt: skip
     assert chat_rl.main(argv) == 0
-    monkeypatch.undo()  # plain_step calls the real optimizer_step, recording nothing over these
+    monkeypatch.undo()
     return seen
 
 
@@ -49,11 +49,14 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
     argv = f"--temperature={temperature}", f"--grad-clip={grad_clip}"
     train = first_step_of_train(tmp_path, monkeypatch, *argv)
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")  # the weights step 0 starts at
-    lr = chat_rl.PRESETS["demo"]["lr"]  # step 0's: the peak
+    lr = chat_rl.PRESETS["demo"]["lr"]
     optimizer = start.adamw(model.parameters(), lr, DEFAULTS)  # the run's AdamW
+    for p in model.parameters():  # a last step's gradients, which a step starts by dropping
+        p.grad = torch.ones_like(p)
     loss, rewards = chat_rl.plain_step(model, optimizer, tokenizer, arith, train["problems"],
-                                       NUM_SAMPLES, MAX_NEW_TOKENS, temperature, train["seed"], lr,
-                                       tool=calculate, grad_clip=grad_clip)  # fmt: skip
+                                       NUM_SAMPLES, MAX_NEW_TOKENS, temperature, train["seed"],
+                                       step=0, num_steps=1, peak_lr=lr, tool=calculate,
+                                       grad_clip=grad_clip)  # fmt: skip
     assert rewards == train["out"]["total"]  # the same completions, scored the same
     groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
@@ -78,7 +81,7 @@ def test_a_step_without_signal_takes_no_update():
     optimizer = start.adamw(model.parameters(), lr, DEFAULTS)  # the run's AdamW
     problems = arith.load("test", limit=4)
     common = dict(tokenizer=tokenizer, task=arith, num_samples=NUM_SAMPLES, temperature=1.0,
-                  seed=0, lr=lr, tool=calculate)  # fmt: skip
+                  seed=0, step=0, num_steps=2, peak_lr=lr, tool=calculate)  # fmt: skip
     _, rewards = chat_rl.plain_step(
         model, optimizer, problems=problems, max_new_tokens=40, **common
     )
@@ -90,3 +93,17 @@ def test_a_step_without_signal_takes_no_update():
     assert set(rewards) == {0.0}
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), after_first[name]), name
+
+
+def test_each_step_takes_the_runs_learning_rate():
+    # the run's schedule: test_train_loop holds the logged lr of each of 4 steps to it
+    model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
+    peak, num_steps = 4e-4, 4
+    optimizer = start.adamw(model.parameters(), peak, DEFAULTS)
+    problems = arith.load("test", limit=1)
+    lrs = []
+    for step in range(num_steps):
+        chat_rl.plain_step(model, optimizer, tokenizer, arith, problems, 2, 1, 1.0, 0, step,
+                           num_steps, peak)  # fmt: skip
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([4e-4, 3e-4, 2e-4, 1e-4], abs=1e-12)
