@@ -7,7 +7,8 @@ beat their group's average get their log-probability raised, the others lowered.
 Reading it: the step is written out once, in the list below, each part with the function that
 holds it; plain_step() is steps 2-6 in forty-five lines of plain torch, the whole step at the
 default flags, learning rate and gradient zeroing included (tests/test_plain_step.py holds the
-run's rewards, gradient and update to it). Read to there for the algorithm. train_step() is the
+run's rewards, gradient and update to it). For the algorithm, read this docstring, then
+plain_step() (past the hyperparameters) and the plain pieces it calls. train_step() is the
 same step with every option and the fast paths (the Engine, the fast log-probs, micro-batches,
 ranks), each held by its tests to a plain piece, and train() runs it, with evals and saves.
 Editing objective(), the loss a fork (your edited copy) changes, needs none of fast/ read: the
@@ -15,11 +16,12 @@ fast log-probs check the gradient they send against objective()'s own (fast/logp
 first paragraph).
 
 The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
-problem's num_samples rows are its group, unanimous when its rewards are all equal; a row's
-sampled tokens (S_i, mask 1) are those the policy drew; kept rows are those with gradient (at the
-default flags, the groups not unanimous), the only ones the training passes run; a pass is one
-micro-batch's forward and backward; a rank is one process of a torchrun launch (one per GPU; a
-laptop has one), and its share of the loss L (step 5) is what its rows add to it.
+problem's num_samples rows are its group, unanimous when its rewards are all equal (nothing to
+learn from it) and with signal when they differ; a row's sampled tokens (S_i, mask 1) are those
+the policy drew; kept rows are those with gradient (at the default flags, the groups with
+signal), the only ones the training passes run; a pass is one micro-batch's forward and
+backward; a rank is one process of a torchrun launch (one per GPU; a laptop has one), and its
+share of the loss L (step 5) is what its rows add to it.
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
@@ -64,11 +66,12 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      brings them back: two updates a rollout, the second clipped; clip_frac counts clipped tokens.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
-  4. Token-level normalisation (all_tokens, what TRL names loss_type="dapo"): every token weighs
-     the same whatever its completion's length, and steps shrink as groups turn unanimous (less
-     left to learn). kept_tokens counts only the groups with signal, as the DAPO paper's filtered
-     batches do, and keeps the steps' size; sequence is GRPO's (per completion). --refill is DAPO's
-     dynamic sampling: more problems sampled until the step's groups all carry signal.
+  4. Token-level normalisation (all_tokens; TRL's loss_type="dapo" is this one): every token
+     weighs the same whatever its completion's length, and steps shrink as groups turn unanimous
+     (less left to learn). kept_tokens counts only the groups with signal (the DAPO paper's own
+     batches hold only those, so there the two are one) and keeps the steps' size; sequence is
+     GRPO's (per completion). --refill is DAPO's dynamic sampling: more problems sampled until the
+     step's groups all carry signal.
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -230,11 +233,12 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
     plumbing/start.adamw (torch's AdamW: fused, betas 0.9 and 0.95, eps 1e-8, weight decay 0);
-    step: 0, 1, ... of num_steps; tool: calculator.calculate for --tool's default, None samples
-    without it; grad_clip: --grad-clip's (0: off). train_step() computes the same with its fast
-    paths (the Engine's KV cache, micro-batches, fast log-probs, ranks, options);
-    tests/test_plain_step.py holds its rewards, gradient and updated weights to this one's, in
-    fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
+    seed: the step's, derive_seed(--seed, "rollout", step) in the run (each problem's stream is
+    derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate for --tool's
+    default, None samples without it; grad_clip: --grad-clip's (0: off). train_step() computes
+    the same with its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks,
+    options); tests/test_plain_step.py holds its rewards, gradient and updated weights to this
+    one's, in fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
@@ -346,14 +350,14 @@ def overlong_penalty(length, max_new_tokens, buffer):
 
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
-    """rewards (G * S,) prompt-major -> advantages (G * S,): r - mean(r) within each group of S
-    (kind "mean"), divided by the group's spread too ("zscore"). A kind of your own from the
-    rewards alone: its branch here, its name in plumbing/flags.ADVANTAGES (what --advantage
-    accepts); one that reads more of the rollout, or gives each token its own, is a step in
-    step_advantages (docs/objective.md, "Where a change goes"); one meant to train
-    unanimous groups too (no baseline) returns before their zeroing below. S >= 2 always
-    (plumbing/flags.check_config), so a kind may divide by S - 1. The run calls it from
-    step_advantages alone; plain_step calls it too, at the default kind."""
+    """rewards (groups * num_samples,) prompt-major -> advantages of the same shape: r - mean(r)
+    within each group (kind "mean"), divided by the group's spread too ("zscore"). A kind of your
+    own from the rewards alone: its branch here, its name in plumbing/flags.ADVANTAGES (what
+    --advantage accepts); one that reads more of the rollout, or gives each token its own, is a
+    step in step_advantages (docs/objective.md, "Where a change goes"); one meant to train
+    unanimous groups too (no baseline) returns before their zeroing below. num_samples >= 2
+    always (plumbing/flags.check_config), so a kind may divide by num_samples - 1. The run calls
+    it from step_advantages alone; plain_step calls it too, at the default kind."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
