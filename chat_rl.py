@@ -4,39 +4,28 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-Reading it: the step is written out once, in the list below, each part with the function that
-holds it; plain_step() is steps 2-6 in forty-five lines of plain torch, the whole step at the
-default flags, learning rate and gradient zeroing included (tests/test_plain_step.py holds the
-run's rewards, gradient and update to it). For the algorithm, read this docstring, then
-plain_step() (past the hyperparameters) and the plain pieces it calls. train_step() is the
-same step with every option and the fast paths (the Engine, the fast log-probs, micro-batches,
-ranks), each held by its tests to a plain piece, and train() runs it, with evals and saves.
-Editing objective(), the loss a fork (your edited copy) changes, needs none of fast/ read: the
-fast log-probs check the gradient they send against objective()'s own (fast/logprobs.Guess, its
-first paragraph).
-
-The words the code uses: a row is one completion, its prompt's tokens then its reply's; a
-problem's num_samples rows are its group, unanimous when its rewards are all equal (nothing to
-learn from it) and with signal when they differ; a row's sampled tokens (S_i, mask 1) are those
-the policy drew; kept rows are those with gradient (at the default flags, the groups with
-signal), the only ones the training passes run; a pass is one micro-batch's forward and
-backward; a rank is one process of a torchrun launch (one per GPU; a laptop has one), and its
-share of the loss L (step 5) is what its rows add to it.
+For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps
+2-6 at the default flags in forty-five lines of plain torch, calling the plain pieces the list
+names; tests/test_plain_step.py holds the run's rewards, gradient and update to it.
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
-     problems; each step takes its next examples_per_step, each rank an equal, contiguous share:
-     the step alone fixes the data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference, whose calculator lines a first read skips]. num_samples
-     completions of each problem, its group, at temperature 1, each problem from a random stream
-     of its own (the same on 1 rank or 8); the stop token is sampled and trained like any other. A
-     calculator call such as `<<48/2=` gets its result `24>>` written in. A mask marks each token
-     of a sequence: 1 if the policy sampled it, 0 for the prompt and the calculator's results.
+     problems; each step takes its next examples_per_step, each rank (one process of a torchrun
+     launch, one per GPU; a laptop has one) an equal, contiguous share: the step alone fixes the
+     data, so a resumed run continues it.
+  2. Sampling [engine.generate_reference; a first read skips its calculator lines, knowing that
+     the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
+     then its reply's: num_samples of each problem, its group, at temperature 1, each problem
+     from a random stream of its own (the same on 1 rank or 8); the stop token is sampled and
+     trained like any other. A calculator call such as `<<48/2=` gets its result `24>>` written
+     in. A mask marks each token of a row: 1 if the policy sampled it, 0 for the prompt and the
+     calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
   4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
-     number a row. A unanimous group has A = 0: no gradient, so its rows skip the training passes.
+     number a row. A group whose rewards are all equal is unanimous: A = 0, nothing to learn (the
+     run skips its rows); one whose rewards differ has signal.
   5. Loss [plain_step's step-5 lines; fast/logprobs.py's make_batch and plain_logprobs]. Over the
      step's completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
@@ -50,12 +39,6 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      has signal. The lr falls linearly: step s = 0, 1, ... uses lr x (1 - s / num_steps).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
-The run's versions: rollout() samples with engine.Engine (the same tokens from a KV cache);
-objective()'s first branch is step 5's loss, normaliser() its N (per row, N_i, which only
---loss-norm=sequence makes differ); optimizer_step() is step 6. Under bf16 (a GPU's default) the
-sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). Every option is
-off by default and changes one of these steps: plumbing/flags.py's docstring lists them by step,
---help with their values.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -72,6 +55,19 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      batches hold only those, so there the two are one) and keeps the steps' size; sequence is
      GRPO's (per completion). --refill is DAPO's dynamic sampling: more problems sampled until the
      step's groups all carry signal.
+
+For a fork (your edited copy): train_step() is the same step with every option and the fast
+paths, each held by its tests to the plain piece above, and train() runs it with evals and saves.
+rollout() samples with engine.Engine (the same tokens from a KV cache); objective()'s first branch
+is step 5's loss and normaliser() its N (per row, N_i, which only --loss-norm=sequence makes
+differ); optimizer_step() is step 6. Editing objective() needs none of fast/ read: the fast
+log-probs check the gradient they send against objective()'s own (fast/logprobs.Guess, its first
+paragraph). The run's words besides: kept rows are those with gradient (at the default flags, the
+groups with signal), the only ones the training passes run; a pass is one micro-batch's forward
+and backward; a rank's share of L is what its rows add to it. Under bf16 (a GPU's default) the
+sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). Every option is
+off by default and changes one step: plumbing/flags.py's docstring lists them by step, --help
+with their values.
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -266,8 +262,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
     # 6. the gradient's norm clipped, then one AdamW step at this step's lr (one rank: no sum over
-    # ranks). None without signal, where AdamW's momentum would move every weight at a zero
-    # gradient, nor if anything is not finite; optimizer_step() is the run's version
+    # ranks). No step where no group has signal (every A_i is 0: AdamW's momentum would still move
+    # every weight) or anything is not finite; optimizer_step() is the run's version
     for group in optimizer.param_groups:
         group["lr"] = peak_lr * (1 - step / num_steps)  # from the peak at step 0 toward 0
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
