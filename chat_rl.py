@@ -30,8 +30,9 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      step's completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-     it was drawn from; in code logp is (rows, T), 0 off S_i. N is one number: every sampled token
-     of the step on all ranks, a unanimous group's too.
+     it was drawn from; in code logp is (rows, T), T the longest row's length - 1, column t
+     holding token t + 1 of a row (what predicts it is token t), 0 off S_i. N is one number:
+     every sampled token of the step on all ranks, a unanimous group's too.
   6. Update [plain_step's step-6 lines]. The gradients, zeroed before the step's backward, are
      summed over ranks (plumbing/distributed.sync_gradients; not averaged: N counts every rank's
      tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
@@ -49,25 +50,10 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      brings them back: two updates a rollout, the second clipped; clip_frac counts clipped tokens.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
-  4. Token-level normalisation (all_tokens; TRL's loss_type="dapo" is this one): every token
-     weighs the same whatever its completion's length, and steps shrink as groups turn unanimous
-     (less left to learn). kept_tokens counts only the groups with signal (the DAPO paper's own
-     batches hold only those, so there the two are one) and keeps the steps' size; sequence is
-     GRPO's (per completion). --refill is DAPO's dynamic sampling: more problems sampled until the
-     step's groups all carry signal.
-
-For a fork (your edited copy): train_step() is the same step with every option and the fast
-paths, each held by its tests to the plain piece above, and train() runs it with evals and saves.
-rollout() samples with engine.Engine (the same tokens from a KV cache); objective()'s first branch
-is step 5's loss and normaliser() its N (per row, N_i, which only --loss-norm=sequence makes
-differ); optimizer_step() is step 6. Editing objective() needs none of fast/ read: the fast
-log-probs check the gradient they send against objective()'s own (fast/logprobs.Guess, its first
-paragraph). The run's words besides: kept rows are those with gradient (at the default flags, the
-groups with signal), the only ones the training passes run; a pass is one micro-batch's forward
-and backward; a rank's share of L is what its rows add to it. Under bf16 (a GPU's default) the
-sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). Every option is
-off by default and changes one step: plumbing/flags.py's docstring lists them by step, --help
-with their values.
+  4. Token-level normalisation (TRL's loss_type="dapo"): every token weighs the same whatever its
+     completion's length, and steps shrink as groups turn unanimous (less left to learn).
+     (--loss-norm=sequence is GRPO's mean per completion; kept_tokens counts the groups with
+     signal alone, as the DAPO paper's batches, which hold only those, do.)
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -225,21 +211,24 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 # ---- the step, plainly ---------------------------------------------------------------------------
 def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
-               temperature, seed, step, num_steps, peak_lr, tool=None, grad_clip=1.0):  # fmt: skip
+               temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
     plumbing/start.adamw (torch's AdamW: fused, betas 0.9 and 0.95, eps 1e-8, weight decay 0);
     seed: the step's, derive_seed(--seed, "rollout", step) in the run (each problem's stream is
-    derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate for --tool's
-    default, None samples without it; grad_clip: --grad-clip's (0: off). train_step() computes
+    derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate (--tool's
+    default), or None (--tool=none); grad_clip: --grad-clip's (0: off). train_step() computes
     the same with its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks,
     options); tests/test_plain_step.py holds its rewards, gradient and updated weights to this
     one's, in fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
-    # 2. sample num_samples completions of each prompt, token by token from softmax(logits / T),
-    # the model run over each whole row (no cache); mask 1 where the policy drew the token
+    # 2. sample num_samples completions of each prompt, token by token: the first token whose
+    # cumulative probability under softmax(logits / T) (no top-k) passes a uniform drawn in
+    # advance for that row and position from the problem's own stream; the model runs over each
+    # whole row (no cache). Mask 1 where the policy drew the token (the stop token too), 0 on the
+    # prompt and on a calculator result forced in (which counts toward max_new_tokens)
     seeds = [derive_seed(seed, i) for i in range(len(problems))]  # a random stream a problem
     samples = generate_reference(model, tokenizer, prompts, num_samples, max_new_tokens,
                                  temperature, seed=seeds, tool=tool, include_stop=True)  # fmt: skip
@@ -270,6 +259,21 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     if advantages.any() and norm.isfinite() and loss.isfinite():
         optimizer.step()
     return loss.detach(), rewards
+
+
+# ---- the run -------------------------------------------------------------------------------------
+# What a fork (your edited copy) reads next. train_step() is the same step with every option and
+# the fast paths, each held by its tests to the plain pieces above, and train() runs it with evals
+# and saves. rollout() samples with engine.Engine (the same tokens from a KV cache); objective()'s
+# first branch is step 5's loss and normaliser() its N (per row, N_i, which only --loss-
+# norm=sequence makes differ); optimizer_step() is step 6. Editing objective() needs none of fast/
+# read: the fast log-probs check the gradient they send against objective()'s own
+# (fast/logprobs.Guess, its first paragraph). The run's words besides: kept rows are those with
+# gradient (at the default flags, the groups with signal), the only ones the training passes run; a
+# pass is one micro-batch's forward and backward; a rank's share of L is what its rows add to it.
+# Under bf16 (a GPU's default) the sampler's logp rounds otherwise than the loss's (--rollout-
+# correction weighs it). Every option is off by default and changes one step: plumbing/flags.py's
+# docstring lists them by step, --help with their values.
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------

@@ -104,6 +104,6 @@ def test_each_step_takes_the_runs_learning_rate():
     lrs = []
     for step in range(num_steps):
         chat_rl.plain_step(model, optimizer, tokenizer, arith, problems, 2, 1, 1.0, 0, step,
-                           num_steps, peak)  # fmt: skip
+                           num_steps, peak, tool=None)  # fmt: skip
         lrs.append(optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([4e-4, 3e-4, 2e-4, 1e-4], abs=1e-12)
