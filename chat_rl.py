@@ -5,7 +5,7 @@ Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. 
 beat their group's average get their log-probability raised, the others lowered.
 
 For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps
-2-6 at the default flags in forty-five lines of plain torch, calling the plain pieces the list
+2-6 at the default flags in fifty lines of plain torch, calling the plain pieces the list
 names; tests/test_plain_step.py holds the run's rewards, gradient and update to it.
 
 One optimizer step at the default flags, [the plain piece that holds it]:
@@ -24,8 +24,8 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
   4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
-     number a row. A group whose rewards are all equal is unanimous: A = 0, nothing to learn (the
-     run skips its rows); one whose rewards differ has signal.
+     number a row. A group whose rewards are all equal is unanimous: A = 0, nothing to learn;
+     one whose rewards differ has signal.
   5. Loss [plain_step's step-5 lines; fast/logprobs.py's make_batch and plain_logprobs]. Over the
      step's completions i on all ranks, and the tokens S_i each sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
