@@ -382,6 +382,13 @@ def check_objective(cfg):
         )
     if not (math.isfinite(cfg.rollout_cap) and cfg.rollout_cap > 1):
         raise ConfigError(f"--rollout-cap must be a finite number above 1, got {cfg.rollout_cap}")
+    # the engine's log-probs are of the cut distribution, the trainer's of the whole: their ratio
+    # would weigh each token by its share of the top k, not by the sampler's rounding
+    if cfg.rollout_correction != "none" and cfg.top_k > 0:
+        raise ConfigError(
+            "--rollout-correction with --top-k > 0: the sampler's log-probs are of the top-k "
+            "distribution, the trainer's of the whole one, their ratio not rounding (--top-k=0)"
+        )
     if cfg.kl_beta > 0 and cfg.fsdp:
         raise ConfigError(
             "--kl-beta with --fsdp is not built: its frozen reference would be "

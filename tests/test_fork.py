@@ -229,9 +229,10 @@ def test_an_advantage_kind_is_named_once_and_a_named_kind_without_a_branch_is_re
 
 def rollout_out(rewards):
     """rollout()'s dict for completions with these rewards: its every key, replies of 1, 2, 3, ...
-    sampled tokens after a 3-token prompt, so that a kind reading more than the rewards (a length,
-    the masks) runs here as in the run."""
+    sampled tokens after a 3-token prompt and 0, 1, 2, 0, ... calculator calls, so that a kind
+    reading more than the rewards (a length, the masks, the calls) sees them differ, as in a run."""
     n, prompt = len(rewards), [7, 8, 9]
+    calls = [i % 3 for i in range(n)]
     replies = [[5] * (i + 1) for i in range(n)]
     out = dict(
         sequences=[prompt + r for r in replies],
@@ -239,7 +240,8 @@ def rollout_out(rewards):
         sampler_logp=[[0.0] * len(prompt) + [-1.0] * len(r) for r in replies],
         answer=list(rewards), format=[0.0] * n, overlong=[0.0] * n, total=list(rewards),
         tokens=[len(r) for r in replies], completions=["5" * len(r) for r in replies],
-        truncated=[False] * n, tool_calls=[0] * n, tool_errors=[0] * n, tool_use=[0.0] * n,
+        truncated=[False] * n, tool_calls=calls, tool_errors=[0] * n,
+        tool_use=[float(c > 0) for c in calls],
         reward_errors=[None] * n,
     )  # fmt: skip
     return out

@@ -267,6 +267,11 @@ def test_every_train_row_logs_the_gap_near_0_in_fp32_and_not_in_bf16(tmp_path):
         (["--rollout-correction=clip"], "unknown --rollout-correction 'clip' (none | tis | mis)"),
         (["--rollout-cap=1.0"], "--rollout-cap must be a finite number above 1, got 1.0"),
         (["--dtype=fp16"], "unknown --dtype 'fp16' (auto | fp32 | bf16)"),
+        (
+            ["--rollout-correction=tis", "--top-k=5"],
+            "--rollout-correction with --top-k > 0: the sampler's log-probs are of the top-k "
+            "distribution, the trainer's of the whole one, their ratio not rounding (--top-k=0)",
+        ),
     ],
 )
 def test_impossible_correction_flags_are_refused_in_one_line(argv, message, capsys):
