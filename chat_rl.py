@@ -214,13 +214,13 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
                temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0):  # fmt: skip
     """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
     score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    plumbing/start.adamw (torch's AdamW: fused, betas 0.9 and 0.95, eps 1e-8, weight decay 0);
-    seed: the step's, derive_seed(--seed, "rollout", step) in the run (each problem's stream is
-    derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate (--tool's
-    default), or None (--tool=none); grad_clip: --grad-clip's (0: off). train_step() computes
-    the same with its fast paths (the Engine's KV cache, micro-batches, fast log-probs, ranks,
-    options); tests/test_plain_step.py holds its rewards, gradient and updated weights to this
-    one's, in fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise)."""
+    plumbing/start.adamw (its settings: step 6 above); seed: the step's, derive_seed(--seed,
+    "rollout", step) in the run (each problem's stream is derived from it); step: 0, 1, ... of
+    num_steps; tool: calculator.calculate (--tool's default), or None (--tool=none); grad_clip:
+    --grad-clip's (0: off). train_step() computes the same with its fast paths (the Engine's KV
+    cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its
+    rewards, gradient and updated weights to this one's, in fp32 (no autocast here: under
+    --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
@@ -252,7 +252,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     loss.backward()
     # 6. the gradient's norm clipped, then one AdamW step at this step's lr (one rank: no sum over
     # ranks). No step where no group has signal (every A_i is 0: AdamW's momentum would still move
-    # every weight) or anything is not finite; optimizer_step() is the run's version
+    # every weight) or anything is not finite. optimizer_step() is the run's version; its test,
+    # kept_tokens > 0, is this one at the default flags (a row with signal samples a token at least)
     for group in optimizer.param_groups:
         group["lr"] = peak_lr * (1 - step / num_steps)  # from the peak at step 0 toward 0
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
