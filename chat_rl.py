@@ -119,7 +119,7 @@ HYPERPARAMETERS = dict(
     tool=("calculator", "calculator | none: answer <<expr= calls mid-rollout (eval too)"),
     # objective
     advantage=("mean", "mean: r - mean(r) | zscore: (r - mean(r)) / (std(r) + 1e-4)"),
-    loss_norm=("all_tokens", "the loss's N_i (normaliser()): all_tokens | kept_tokens | sequence"),
+    loss_norm=("all_tokens", "the loss's N (normaliser()): all_tokens | kept_tokens | sequence"),
     mask_truncated=(False, "cut-off completions (no stop token) train no token"),
     refill=(0, "dynamic sampling: up to this many more rollouts a step for groups with signal"),
     kl_beta=(0.0, "weight of a k3 KL to the frozen starting policy; 0 = off"),
@@ -395,7 +395,8 @@ def objective(logp, batch):
     (Guess).
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
       batch.advantages    (B,) a row, or (B, T) a token
-      batch.normaliser    (B,) N_i (normaliser())
+      batch.normaliser    (B,) N_i, each row's divisor: step 5's N in every entry unless
+                          --loss-norm=sequence (normaliser())
       batch.sampled       (B, T) bool, the tokens S_i (a row may have none: --mask-truncated)
       batch.<flag>        each flag of OBJECTIVE_FLAGS, as given
       batch.ref_logp      (B, T) the reference's under --kl-beta, else None
