@@ -395,8 +395,8 @@ def objective(logp, batch):
     (Guess).
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
       batch.advantages    (B,) a row, or (B, T) a token
-      batch.normaliser    (B,) N_i, each row's divisor: step 5's N in every entry unless
-                          --loss-norm=sequence (normaliser())
+      batch.normaliser    (B,) N_i, each row's divisor: at the default, step 5's N in every
+                          entry (normaliser()'s table: --loss-norm's others)
       batch.sampled       (B, T) bool, the tokens S_i (a row may have none: --mask-truncated)
       batch.<flag>        each flag of OBJECTIVE_FLAGS, as given
       batch.ref_logp      (B, T) the reference's under --kl-beta, else None

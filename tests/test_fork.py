@@ -2,8 +2,9 @@
 What a fork that changes the objective relies on: each objective flag's off value written once (its
 default), so OFF, the defaults and resume's view of older checkpoints cannot disagree; a flag added
 without a word to resume still refuses an older checkpoint it would change; one count of a row's
-sampled tokens; advantages per token as well as per row, on both log-prob paths and two ranks; a
-once-a-step value's home in the train row.
+sampled tokens; a term of a fork's own added to objective(), held to its formula written out (the
+recipe's pattern, whole); advantages per token as well as per row, on both log-prob paths and two
+ranks; a once-a-step value's home in the train row.
 """
 
 import os
@@ -95,6 +96,49 @@ def test_a_rows_sampled_tokens_are_its_targets():
     masks[2][0] = 1  # a first token marked sampled: nothing predicts it, so it is no target
     _, targets = make_batch(sequences, masks, "cpu")
     assert [sampled_tokens(m) for m in masks] == (targets >= 0).sum(dim=1).tolist()
+
+
+# ---- a term of a fork's own, held to its formula -------------------------------------------------
+PENALTY = 0.3
+
+
+@pytest.fixture
+def penalised(monkeypatch):
+    """chat_rl.objective with a fork's term added, as a fork would write it inside objective():
+    PENALTY x (1 - p) on each sampled token, over its N_i (a push away from unlikely tokens). It
+    reads p, so the fast path's first guess of the gradient misses and is remade: the case that
+    holds an edit of objective() hardest. Here it wraps the original, leaving chat_rl unedited."""
+    objective = chat_rl.objective
+
+    def with_penalty(logp, batch):
+        loss, stats = objective(logp, batch)
+        term = PENALTY * (1 - logp.exp()) * batch.sampled / batch.normaliser[:, None]
+        return loss + term.sum(), stats
+
+    monkeypatch.setattr(chat_rl, "objective", with_penalty)
+
+
+@pytest.mark.parametrize("loss_norm", base.NORMS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_forks_own_term_is_held_to_its_formula_written_out(penalised, path, loss_norm):
+    # the recipe of docs/objective.md end to end: the term through the run's backward, against
+    # written_out's reference with the term as extra=, loss and every gradient
+    sequences, masks = base.sampled_rollouts(base.small_model())  # p well above 0 (a real test)
+    advantages = chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES)
+    policy, expected_policy = base.small_model(), base.small_model()
+    loss, _ = chat_rl.policy_gradient_backward(
+        policy, sequences, masks, advantages, num_samples=NUM_SAMPLES, loss_norm=loss_norm,
+        temperature=T, logprobs=PATHS[path], device_batch_size=3,
+    )  # fmt: skip
+
+    def penalty(logp, old_logp, sampled):  # per token, before the division by N_i
+        return PENALTY * (1 - logp.exp())
+
+    expected, _ = opts.written_out(
+        expected_policy, sequences, masks, advantages, loss_norm, extra=penalty
+    )
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
 
 
 # ---- advantages per token ------------------------------------------------------------------------
@@ -238,7 +282,8 @@ def rollout_out(rewards):
         sequences=[prompt + r for r in replies],
         masks=[[0] * len(prompt) + [1] * len(r) for r in replies],
         sampler_logp=[[0.0] * len(prompt) + [-1.0] * len(r) for r in replies],
-        answer=list(rewards), format=[0.0] * n, overlong=[0.0] * n, total=list(rewards),
+        answer=[float(r) for r in rewards], format=[0.0] * n, overlong=[0.0] * n,
+        total=[float(r) for r in rewards],
         tokens=[len(r) for r in replies], completions=["5" * len(r) for r in replies],
         truncated=[False] * n, tool_calls=calls, tool_errors=[0] * n,
         tool_use=[float(c > 0) for c in calls],

@@ -15,7 +15,8 @@ The harness a test of an objective term of your own uses (docs/objective.md, the
   moved(model, scale)         the model moved (a ratio other than 1): scale=0.005 about one
                               update, as the clip test; the default 0.2 much further
   two_epochs(...)             --ppo-epochs=2 through policy_gradient_backward: the second's result
-  written_out(...)            L straight from the logits, backpropagated: the reference
+  written_out(...)            L straight from the logits, backpropagated: the reference; extra=
+                              a term of your own (tests/test_fork.py's penalised objective)
   base.assert_same_grads      every parameter's gradient compared
 """
 
@@ -63,7 +64,7 @@ def frozen_model(model):
 
 def written_out(
     policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None, old=None,
-    weight=None,
+    weight=None, extra=None,
 ):  # fmt: skip
     """The tests' one reference loss: L over every row, unanimous groups too, straight from the
     logits (r = exp(logp - old)):
@@ -75,7 +76,9 @@ def written_out(
     --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
     policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside). A
     term of your own that reweights the advantages is written out by the advantages it amounts to
-    (per row or per token), without a new branch."""
+    (per row or per token); any other by extra(logp, old_logp, sampled) -> its value per token
+    (rows, T), old_logp None without old, added on the kept rows (those the run's passes run)
+    before the division by N_i."""
     inputs, targets = chat_rl.make_batch(sequences, masks, "cpu")
     sampled = targets >= 0
     logp = base.direct_logp(policy, inputs, targets, T)
@@ -88,12 +91,13 @@ def written_out(
         "sequence": len(sequences) * tokens.clamp(min=1),
     }[loss_norm][:, None]
     A = advantages[:, None] if advantages.dim() == 1 else advantages[:, : logp.size(1)]
-    w, cut = 1.0 if weight is None else weight, (0, 0, 0)
+    w, cut, old_logp = 1.0 if weight is None else weight, (0, 0, 0), None
+    if old is not None:
+        with torch.no_grad():
+            old_logp = base.direct_logp(old, inputs, targets, T)
     if old is None:
         per_token = -w * A * logp
     else:
-        with torch.no_grad():
-            old_logp = base.direct_logp(old, inputs, targets, T)
         r = torch.exp(logp - old_logp)
         per_token = -w * torch.minimum(r * A, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * A)
         cut = (
@@ -105,6 +109,8 @@ def written_out(
         with torch.no_grad():
             ref = base.direct_logp(reference, inputs, targets, T)
         per_token = per_token + kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if extra is not None:
+        per_token = per_token + extra(logp, old_logp, sampled) * kept[:, None]
     loss = (per_token * sampled / N).sum()
     loss.backward()
     return loss.detach(), cut
