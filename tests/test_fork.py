@@ -2,8 +2,8 @@
 What a fork that changes the objective relies on: each objective flag's off value written once (its
 default), so OFF, the defaults and resume's view of older checkpoints cannot disagree; a flag added
 without a word to resume still refuses an older checkpoint it would change; one count of a row's
-sampled tokens; a term of a fork's own added to objective(), held to its formula written out (the
-recipe's pattern, whole); advantages per token as well as per row, on both log-prob paths and two
+sampled tokens; a term of a fork's own added to objective(), and an advantage of its own with a
+flag, each held to its formula written out (the recipes' patterns, whole); advantages per token as well as per row, on both log-prob paths and two
 ranks; a once-a-step value's home in the train row.
 """
 
@@ -139,6 +139,58 @@ def test_a_forks_own_term_is_held_to_its_formula_written_out(penalised, path, lo
     )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
+
+
+# ---- an advantage of a fork's own, with a flag, through the run ----------------------------------
+BREVITY = 0.5
+
+
+@pytest.fixture
+def brief(monkeypatch):
+    """chat_rl with a fork's advantage step, as a fork would write it: --brevity=b (default 0.0,
+    off), its line in HYPERPARAMETERS, scaling each A_i by 1 - b x its reply's length over its
+    group's longest (a short right answer pushed up more, a short wrong one down less), in
+    step_advantages, the run's one place that computes advantages (--refill's rounds too). Its bad
+    values' check (plumbing/flags.check_config) is left out here."""
+    hyperparameters = {**chat_rl.HYPERPARAMETERS, "brevity": (0.0, "length's weight; 0 = off")}
+    monkeypatch.setattr(chat_rl, "HYPERPARAMETERS", hyperparameters)
+    step_advantages = chat_rl.step_advantages
+
+    def with_brevity(out, cfg):
+        lengths = torch.tensor(out["tokens"], dtype=torch.float).view(-1, cfg.num_samples)
+        scale = 1 - cfg.brevity * lengths / lengths.amax(dim=1, keepdim=True)
+        return step_advantages(out, cfg) * scale.view(-1)
+
+    monkeypatch.setattr(chat_rl, "step_advantages", with_brevity)
+
+
+def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
+    # the pattern for an advantage with a flag: train() on the demo, its rollout and the
+    # advantages its backward receives recorded, the latter held to the formula written out
+    seen = {}
+    rollout, backward = chat_rl.rollout, chat_rl.policy_gradient_backward
+
+    def recording_rollout(*args, **kwargs):
+        seen["out"] = rollout(*args, **kwargs)
+        return seen["out"]
+
+    def recording_backward(model, sequences, masks, advantages, **kwargs):
+        seen["advantages"] = advantages.clone()
+        return backward(model, sequences, masks, advantages, **kwargs)
+
+    monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
+    monkeypatch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
+    argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
+            "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=40", "--seed=1",
+            f"--brevity={BREVITY}"]  # fmt: skip
+    assert chat_rl.main(argv) == 0
+    r = torch.tensor(seen["out"]["total"]).view(-1, 4)
+    lengths = torch.tensor(seen["out"]["tokens"], dtype=torch.float).view(-1, 4)
+    signal = r.amax(dim=1) > r.amin(dim=1)
+    # seed 0's step 0 has one length a group: a length term would be 1 there, whatever its form
+    assert (lengths[signal].amax(dim=1) > lengths[signal].amin(dim=1)).any()
+    expected = (r - r.mean(dim=1, keepdim=True)) * (1 - BREVITY * lengths / lengths.amax(1, True))
+    torch.testing.assert_close(seen["advantages"], expected.view(-1))
 
 
 # ---- advantages per token ------------------------------------------------------------------------
