@@ -3,8 +3,8 @@ What a fork that changes the objective relies on: each objective flag's off valu
 default), so OFF, the defaults and resume's view of older checkpoints cannot disagree; a flag added
 without a word to resume still refuses an older checkpoint it would change; one count of a row's
 sampled tokens; a term of a fork's own added to objective(), and an advantage of its own with a
-flag, each held to its formula written out (the recipes' patterns, whole); advantages per token as well as per row, on both log-prob paths and two
-ranks; a once-a-step value's home in the train row.
+flag, each held to its formula written out (the recipes' patterns, whole); advantages per token as
+well as per row, on both log-prob paths and two ranks; a once-a-step value's home in the train row.
 """
 
 import os
