@@ -164,9 +164,10 @@ def brief(monkeypatch):
     monkeypatch.setattr(chat_rl, "step_advantages", with_brevity)
 
 
-def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
-    # the pattern for an advantage with a flag: train() on the demo, its rollout and the
-    # advantages its backward receives recorded, the latter held to the formula written out
+def first_step(tmp_path, monkeypatch, *flags):
+    """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
+    {"out": its rollout's dict, "advantages": what its backward received}. A test of an advantage
+    of your own runs it with your flag and holds "advantages" to your formula on "out"."""
     seen = {}
     rollout, backward = chat_rl.rollout, chat_rl.policy_gradient_backward
 
@@ -181,9 +182,15 @@ def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
     monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
     argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
-            "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=40", "--seed=1",
-            f"--brevity={BREVITY}"]  # fmt: skip
+            "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=40", *flags]  # fmt: skip
     assert chat_rl.main(argv) == 0
+    return seen
+
+
+def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
+    # the pattern for an advantage with a flag: train()'s first step, the advantages its backward
+    # receives held to the formula written out on its rollout
+    seen = first_step(tmp_path, monkeypatch, "--seed=1", f"--brevity={BREVITY}")
     r = torch.tensor(seen["out"]["total"]).view(-1, 4)
     lengths = torch.tensor(seen["out"]["tokens"], dtype=torch.float).view(-1, 4)
     signal = r.amax(dim=1) > r.amin(dim=1)
