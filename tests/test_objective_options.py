@@ -64,15 +64,17 @@ def frozen_model(model):
 
 def written_out(
     policy, sequences, masks, advantages, loss_norm, kl_beta=0.0, reference=None, old=None,
-    weight=None, extra=None,
+    weight=None, extra=None, bounds=(1 - EPS_LOW, 1 + EPS_HIGH),
 ):  # fmt: skip
     """The tests' one reference loss: L over every row, unanimous groups too, straight from the
     logits (r = exp(logp - old)):
-        - sum_i sum_{t in S_i} w_t min(r A_it, clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) A_it) / N_i
+        - sum_i sum_{t in S_i} w_t min(r A_it, clip(r, low, high) A_it) / N_i
           (old None: - sum_i sum_{t in S_i} w_t A_it logp / N_i)
         + kl_beta sum_i sum_{t in S_i} (exp(ref - logp) - (ref - logp) - 1) / N_i
     advantages: (rows,) a row's A_i, or (rows, T) a token's in make_batch's layout; weight: w,
-    (rows, T) in that layout, no gradient (the rollout correction's), 1 if None. N_i as
+    (rows, T) in that layout, no gradient (the rollout correction's), 1 if None; bounds: the
+    ratio's (low, high), numbers or (rows, T) tensors in that layout (a clip of your own), PPO's
+    at two_epochs' clip_eps EPS_LOW and clip_eps_high EPS_HIGH by default. N_i as
     --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
     policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside). A
     term of your own that reweights the advantages is written out by the advantages it amounts to
@@ -99,11 +101,12 @@ def written_out(
         per_token = -w * A * logp
     else:
         r = torch.exp(logp - old_logp)
-        per_token = -w * torch.minimum(r * A, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * A)
+        low, high = bounds
+        per_token = -w * torch.minimum(r * A, torch.clamp(r, low, high) * A)
         cut = (
-            int(((r < 1 - EPS_LOW) & (A < 0) & sampled).sum()),
-            int(((r > 1 + EPS_HIGH) & (A > 0) & sampled).sum()),
-            int(((r >= 1 - EPS_LOW) & (r <= 1 + EPS_HIGH) & (A != 0) & sampled).sum()),
+            int(((r < low) & (A < 0) & sampled).sum()),
+            int(((r > high) & (A > 0) & sampled).sum()),
+            int(((r >= low) & (r <= high) & (A != 0) & sampled).sum()),
         )
     if kl_beta:
         with torch.no_grad():
@@ -248,6 +251,27 @@ def test_the_second_epoch_is_the_clipped_surrogate_token_by_token_at_a_moved_pol
     )
     assert cut == (2, 1, 8)
     assert float(stats["clip_frac"]) == 2 + 1
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_upper_clip_off_is_the_lower_one_on_both_sides(path):
+    # --clip-eps-high=-1 (its default): the ratio clipped to [1 - EPS_LOW, 1 + EPS_LOW]; of the
+    # test before's rows it cuts 3 above where [1 - EPS_LOW, 1 + EPS_HIGH] cut 1, and leaves 5
+    # inside where that left 8 (a ratio between the two upper bounds counts by its A's sign)
+    sequences, masks, advantages = step_zero()
+    policy, expected_policy = (moved(base.small_model(), scale=0.005, seed=9) for _ in range(2))
+    loss, _, stats = two_epochs(
+        base.small_model(), policy, sequences, masks, advantages, "all_tokens", PATHS[path],
+        opts=dict(clip_eps_high=-1.0),
+    )  # fmt: skip
+    expected, cut = written_out(
+        expected_policy, sequences, masks, advantages, "all_tokens", old=base.small_model(),
+        bounds=(1 - EPS_LOW, 1 + EPS_LOW),
+    )  # fmt: skip
+    assert cut == (2, 3, 5)
+    assert float(stats["clip_frac"]) == 2 + 3
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     base.assert_same_grads(base.grads(policy), base.grads(expected_policy))
 
