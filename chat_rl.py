@@ -32,7 +32,8 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from; in code logp is (rows, T), T the longest row's length - 1, column t
      holding token t + 1 of a row (what predicts it is token t), 0 off S_i. N is one number:
-     every sampled token of the step on all ranks, a unanimous group's too.
+     every sampled token of the step on all ranks, a unanimous group's too. Worked by hand in
+     tests/test_rl_math.py's test_loss_equals_hand_computed_value: two groups of two, N = 7.
   6. Update [plain_step's step-6 lines]. The gradients, zeroed before the step's backward, are
      summed over ranks (plumbing/distributed.sync_gradients; not averaged: N counts every rank's
      tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
