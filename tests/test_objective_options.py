@@ -73,8 +73,9 @@ def written_out(
         + kl_beta sum_i sum_{t in S_i} (exp(ref - logp) - (ref - logp) - 1) / N_i
     advantages: (rows,) a row's A_i, or (rows, T) a token's in make_batch's layout; weight: w,
     (rows, T) in that layout, no gradient (the rollout correction's), 1 if None; bounds: the
-    ratio's (low, high), numbers or (rows, T) tensors in that layout (a clip of your own), PPO's
-    at two_epochs' clip_eps EPS_LOW and clip_eps_high EPS_HIGH by default. N_i as
+    ratio's (low, high), numbers or (rows, T) tensors in that layout (a clip of your own; (0,
+    math.inf) for none), PPO's at two_epochs' clip_eps EPS_LOW and clip_eps_high EPS_HIGH by
+    default. N_i as
     --loss-norm says, kept_tokens counting every row with the KL term. Backpropagates L into
     policy; returns (L, the tokens the clip cuts below and above, and those it leaves inside). A
     term of your own that reweights the advantages is written out by the advantages it amounts to
