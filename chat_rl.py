@@ -266,16 +266,18 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 # ---- the run -------------------------------------------------------------------------------------
 # What a fork (your edited copy) reads next. train_step() is the same step with every option and
 # the fast paths, each held by its tests to the plain pieces above, and train() runs it with evals
-# and saves. rollout() samples with engine.Engine (the same tokens from a KV cache); objective()'s
-# first branch is step 5's loss and normaliser() its N (per row, N_i, which only --loss-
-# norm=sequence makes differ); optimizer_step() is step 6. Editing objective() needs none of fast/
-# read: the fast log-probs check the gradient they send against objective()'s own
+# and saves. rollout() samples with engine.Engine, the same tokens from a KV cache (token for
+# token, where the last bits of the logits, which batching moves, cross no token's boundary);
+# objective()'s first branch is step 5's loss and normaliser() its N (per row, N_i, which only
+# --loss-norm=sequence makes differ); optimizer_step() is step 6. Editing objective() needs none of
+# fast/ read: the fast log-probs check the gradient they send against objective()'s own
 # (fast/logprobs.Guess, its first paragraph). The run's words besides: kept rows are those with
 # gradient (at the default flags, the groups with signal), the only ones the training passes run; a
 # pass is one micro-batch's forward and backward; a rank's share of L is what its rows add to it.
-# Under bf16 (a GPU's default) the sampler's logp rounds otherwise than the loss's (--rollout-
-# correction weighs it). Every option is off by default and changes one step: plumbing/flags.py's
-# docstring lists them by step, --help with their values.
+# Under bf16 (a GPU's default) the sampler's logp rounds otherwise than the loss's
+# (--rollout-correction weighs it). The options, each changing one step (those that switch
+# something on are off by default): plumbing/flags.py's docstring lists them by step, --help with
+# their values.
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
@@ -384,10 +386,9 @@ def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
     penalty per token, ...; docs/objective.md has the recipe). At the default flags it is the
     first branch, the module docstring's step 5 for this pass's rows; the rest of this docstring
-    is for the options and the fast path. Keep it a pure
-    function: the fast log-probs call it again on stand-ins to guess its gradient and check the
-    guess bit for bit (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no
-    guess at all.
+    is for the options and the fast path. Keep it a pure function: the fast log-probs call it
+    again on stand-ins to guess its gradient and check the guess bit for bit (fast/logprobs.Guess,
+    its first paragraph); --logprobs=plain runs it with no guess at all.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
     per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
     rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by
@@ -502,7 +503,8 @@ def policy_gradient_backward(model, sequences, masks, advantages, *,
     share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
     on all ranks, the shares sum to L however the step is split. Here objective()'s batch is built,
     a micro-batch's rows at a time. Without micro-batches, the fast path and the options, it is
-    plain_step's step-5 lines (an advantage per token multiplying logp as it is, not [:, None]).
+    plain_step's step-5 lines, with each row's N_i from normaliser() for N (the same number at the
+    default, all_tokens) and an advantage per token multiplying logp as it is, not [:, None].
     advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at least
     the longest row's length - 1; each pass cuts it to its own width: row_advantages); options:
     OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each

@@ -9,7 +9,8 @@ their changes to the defaults. A run starts from the defaults, with a preset's c
 boolean. Every impossible or nonsensical combination is refused with a one-line reason
 (ConfigError) before any process group, model or data is touched.
 
-The options, by the step of chat_rl.py's docstring they change (each off by default):
+The options, by the step of chat_rl.py's docstring they change (those that switch something on
+are off by default):
   2  --temperature; --top-k truncates the distribution, which the loss does not model (keep 0);
      --tool=none samples without the calculator
   3  --format-weight adds format (1 for the answer given once, in the task's form, at the end);

@@ -149,7 +149,7 @@ BREVITY = 0.5
 def brief(monkeypatch):
     """chat_rl with a fork's advantage step, as a fork would write it: --brevity=b (default 0.0,
     off), its line in HYPERPARAMETERS, scaling each A_i by 1 - b x its reply's length over its
-    group's longest (a short right answer pushed up more, a short wrong one down less), in
+    group's longest (a short reply's advantage kept nearer whole, a long one's shrunk), in
     step_advantages, the run's one place that computes advantages (--refill's rounds too). Its bad
     values' check (plumbing/flags.check_config) is left out here."""
     hyperparameters = {**chat_rl.HYPERPARAMETERS, "brevity": (0.0, "length's weight; 0 = off")}
@@ -194,7 +194,8 @@ def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
     r = torch.tensor(seen["out"]["total"]).view(-1, 4)
     lengths = torch.tensor(seen["out"]["tokens"], dtype=torch.float).view(-1, 4)
     signal = r.amax(dim=1) > r.amin(dim=1)
-    # seed 0's step 0 has one length a group: a length term would be 1 there, whatever its form
+    # a group with signal and replies of mixed length, or a length term is 1 whatever its form
+    # (seed 1's step 0 has three such groups, seed 0's one)
     assert (lengths[signal].amax(dim=1) > lengths[signal].amin(dim=1)).any()
     expected = (r - r.mean(dim=1, keepdim=True)) * (1 - BREVITY * lengths / lengths.amax(1, True))
     torch.testing.assert_close(seen["advantages"], expected.view(-1))

@@ -240,8 +240,8 @@ def test_the_second_epoch_is_the_clipped_surrogate_token_by_token_at_a_moved_pol
     path, loss_norm
 ):
     # moved as far as one update might: of the 14 tokens with an advantage the clip cuts 2 below
-    # and 1 above, leaves 8 inside (2 of them between 1 + EPS_LOW and 1 + EPS_HIGH), 3 are outside
-    # on the side the min does not clip
+    # and 1 above, leaves 8 inside (3 of them between 1 + EPS_LOW and 1 + EPS_HIGH, two with
+    # A > 0), 3 are outside on the side the min does not clip
     sequences, masks, advantages = step_zero()
     policy, expected_policy = (moved(base.small_model(), scale=0.005, seed=9) for _ in range(2))
     loss, kept, stats = two_epochs(
@@ -260,7 +260,8 @@ def test_the_second_epoch_is_the_clipped_surrogate_token_by_token_at_a_moved_pol
 def test_the_upper_clip_off_is_the_lower_one_on_both_sides(path):
     # --clip-eps-high=-1 (its default): the ratio clipped to [1 - EPS_LOW, 1 + EPS_LOW]; of the
     # test before's rows it cuts 3 above where [1 - EPS_LOW, 1 + EPS_HIGH] cut 1, and leaves 5
-    # inside where that left 8 (a ratio between the two upper bounds counts by its A's sign)
+    # inside where that left 8: of the 3 ratios between the two upper bounds, the two with A > 0
+    # are cut, the one with A < 0 is past the side the min does not clip
     sequences, masks, advantages = step_zero()
     policy, expected_policy = (moved(base.small_model(), scale=0.005, seed=9) for _ in range(2))
     loss, _, stats = two_epochs(

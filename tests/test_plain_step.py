@@ -74,8 +74,8 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
 
 
 def test_a_step_without_signal_takes_no_update():
-    # as optimizer_step skips a step whose kept rows sampled nothing: after a step with signal,
-    # AdamW's momentum would move every weight again at a zero gradient
+    # plain_step skips a step without signal, as the run's optimizer_step does: after a step with
+    # signal, AdamW's momentum would move every weight again at a zero gradient
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     lr = chat_rl.PRESETS["demo"]["lr"]
     optimizer = start.adamw(model.parameters(), lr, DEFAULTS)  # the run's AdamW
@@ -96,14 +96,21 @@ def test_a_step_without_signal_takes_no_update():
 
 
 def test_each_step_takes_the_runs_learning_rate():
-    # the run's schedule: test_train_loop holds the logged lr of each of 4 steps to it
+    # the run's schedule (test_train_loop holds the logged lr of each of 4 steps to it), read as
+    # AdamW steps: an lr set after the step would be the last step's
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     peak, num_steps = 4e-4, 4
     optimizer = start.adamw(model.parameters(), peak, DEFAULTS)
-    problems = arith.load("test", limit=1)
-    lrs = []
+    stepped, adamw_step = {}, optimizer.step
+
+    def recording_step(*args, **kwargs):
+        stepped[step] = optimizer.param_groups[0]["lr"]
+        return adamw_step(*args, **kwargs)
+
+    optimizer.step = recording_step
+    problems = arith.load("test", limit=4)
     for step in range(num_steps):
-        chat_rl.plain_step(model, optimizer, tokenizer, arith, problems, 2, 1, 1.0, 0, step,
-                           num_steps, peak, tool=None)  # fmt: skip
-        lrs.append(optimizer.param_groups[0]["lr"])
-    assert lrs == pytest.approx([4e-4, 3e-4, 2e-4, 1e-4], abs=1e-12)
+        chat_rl.plain_step(model, optimizer, tokenizer, arith, problems, NUM_SAMPLES, 40, 1.0,
+                           step, step, num_steps, peak, tool=calculate)  # fmt: skip
+    assert list(stepped) == [0, 1, 2, 3], "a step without signal: no lr to compare"
+    assert list(stepped.values()) == pytest.approx([4e-4, 3e-4, 2e-4, 1e-4], abs=1e-12)
