@@ -111,6 +111,7 @@ def test_each_step_takes_the_runs_learning_rate():
     problems = arith.load("test", limit=4)
     for step in range(num_steps):
         chat_rl.plain_step(model, optimizer, tokenizer, arith, problems, NUM_SAMPLES, 40, 1.0,
-                           step, step, num_steps, peak, tool=calculate)  # fmt: skip
+                           seed=step, step=step, num_steps=num_steps, peak_lr=peak,
+                           tool=calculate)  # fmt: skip
     assert list(stepped) == [0, 1, 2, 3], "a step without signal: no lr to compare"
     assert list(stepped.values()) == pytest.approx([4e-4, 3e-4, 2e-4, 1e-4], abs=1e-12)
