@@ -6,7 +6,9 @@ beat their group's average get their log-probability raised, the others lowered.
 
 For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps
 2-6 at the default flags in fifty lines of plain torch, calling the plain pieces the list
-names; tests/test_plain_step.py holds the run's rewards, gradient and update to it.
+names. tests/test_plain_step.py holds the run's rewards, gradient and update to it on the demo, one
+rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches against plain_step); several
+ranks and bf16 have tests of their own (test_objective, test_distributed, test_cuda_precision).
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
@@ -471,11 +473,11 @@ def normaliser(tokens, kept, loss_norm, device):
         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
         kept_tokens            N_i = sum_{j in kept groups} |S_j|  the groups with signal only
         sequence               N_i = C * max(1, |S_i|)             a mean per completion, then of C
-    For two groups of two whose completions sampled 3, 4 and 2, 5 tokens, the second group
-    unanimous: all_tokens N = 14, kept_tokens N = 7, sequence N_i = 4 * |S_i|. C counts every
-    completion; all_tokens counts a unanimous group's tokens, and a cut-off completion's unless
-    --mask-truncated (which leaves it none sampled); a --refill step is the groups it chose, so
-    there all_tokens is kept_tokens.
+    For two groups of two whose completions sampled 3, 2 and 1, 1 tokens, the second group
+    unanimous (tests/test_rl_math.py's worked step): all_tokens N = 7, kept_tokens N = 5,
+    sequence N_i = 4 * |S_i|. C counts every completion; all_tokens counts a unanimous group's
+    tokens, and a cut-off completion's unless --mask-truncated (which leaves it none sampled); a
+    --refill step is the groups it chose, so there all_tokens is kept_tokens.
     tokens: each row's |S_i|; kept: (rows,) bool, rows_with_gradient's: the rows that train, "kept"
     wherever the code says it. The second value is one number under every --loss-norm (kept_tokens'
     N; every token under --kl-beta, which keeps every row): the train row's kept_tokens, what its
