@@ -5,7 +5,7 @@ Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. 
 beat their group's average get their log-probability raised, the others lowered.
 
 For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps
-2-6 at the default flags in fifty lines of plain torch, calling the plain pieces the list
+2-6 at the default flags in under fifty lines of plain torch, calling the plain pieces the list
 names. tests/test_plain_step.py holds the run's rewards, gradient and update to it on the demo, one
 rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches against plain_step); several
 ranks and bf16 have tests of their own (test_objective, test_distributed, test_cuda_precision).
@@ -17,11 +17,13 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      data, so a resumed run continues it.
   2. Sampling [engine.generate_reference; a first read skips its calculator lines, knowing that
      the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
-     then its reply's: num_samples of each problem, its group, at temperature 1, each problem
-     from a random stream of its own (the same on 1 rank or 8); the stop token is sampled and
-     trained like any other. A calculator call such as `<<48/2=` gets its result `24>>` written
-     in. A mask marks each token of a row: 1 if the policy sampled it, 0 for the prompt and the
-     calculator's results.
+     then its reply's: num_samples of each problem, its group, at temperature 1. Each token is the
+     first, in vocabulary order, whose cumulative probability under softmax(logits / T) over the
+     tokenizer's vocabulary passes a uniform drawn in advance for its row and position from the
+     problem's own random stream (the same on 1 rank or 8); the stop token is sampled and trained
+     like any other. A calculator call such as `<<48/2=` gets its result `24>>` written in, one
+     token a position, counted in max_new_tokens. A mask marks each token of a row: 1 if the
+     policy sampled it, 0 for the prompt and the calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
@@ -227,11 +229,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
-    # 2. sample num_samples completions of each prompt, token by token: the first token whose
-    # cumulative probability under softmax(logits / T) (no top-k) passes a uniform drawn in
-    # advance for that row and position from the problem's own stream; the model runs over each
-    # whole row (no cache). Mask 1 where the policy drew the token (the stop token too), 0 on the
-    # prompt and on a calculator result forced in (which counts toward max_new_tokens)
+    # 2. sample num_samples completions of each prompt, token by token as step 2 above draws them,
+    # the model run over each whole row (no cache); mask 1 where the policy drew the token
     seeds = [derive_seed(seed, i) for i in range(len(problems))]  # a random stream a problem
     samples = generate_reference(model, tokenizer, prompts, num_samples, max_new_tokens,
                                  temperature, seed=seeds, tool=tool, include_stop=True)  # fmt: skip
