@@ -19,9 +19,9 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
      then its reply's: num_samples of each problem, its group, at temperature 1. Each token is the
      first, in vocabulary order, whose cumulative probability under softmax(logits / T) over the
-     tokenizer's vocabulary passes a uniform drawn in advance for its row and position from the
-     problem's own random stream (the same on 1 rank or 8); the stop token is sampled and trained
-     like any other. A calculator call such as `<<48/2=` gets its result `24>>` written in, one
+     tokenizer's vocabulary exceeds u, a uniform drawn in advance for its row and position from
+     the problem's own random stream (engine.sample_reference; the same on 1 rank or 8); the stop
+     token is sampled and trained like any other. A calculator call such as `<<48/2=` gets its result `24>>` written in, one
      token a position, counted in max_new_tokens. A mask marks each token of a row: 1 if the
      policy sampled it, 0 for the prompt and the calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
@@ -265,20 +265,27 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 
 
 # ---- the run -------------------------------------------------------------------------------------
-# What a fork (your edited copy) reads next. train_step() is the same step with every option and
-# the fast paths, each held by its tests to the plain pieces above, and train() runs it with evals
-# and saves. rollout() samples with engine.Engine, the same tokens from a KV cache (token for
-# token, where the last bits of the logits, which batching moves, cross no token's boundary);
-# objective()'s first branch is step 5's loss and normaliser() its N (per row, N_i, which only
-# --loss-norm=sequence makes differ); optimizer_step() is step 6. Editing objective() needs none of
-# fast/ read: the fast log-probs check the gradient they send against objective()'s own
-# (fast/logprobs.Guess, its first paragraph). The run's words besides: kept rows are those with
-# gradient (at the default flags, the groups with signal), the only ones the training passes run; a
-# pass is one micro-batch's forward and backward; a rank's share of L is what its rows add to it.
-# Under bf16 (a GPU's default) the sampler's logp rounds otherwise than the loss's
-# (--rollout-correction weighs it). The options, each changing one step (those that switch
-# something on are off by default): plumbing/flags.py's docstring lists them by step, --help with
-# their values.
+# What a fork (your edited copy) reads next: train_step() is plain_step() with every option and the
+# fast paths, train() runs it with evals and saves. Each part of plain_step and the run's:
+#   2  generate_reference(...)            rollout(): engine.Engine, the same tokens from a KV cache
+#                                         (where batching's rounding of a logit crosses no token's
+#                                         boundary: tests/test_reference_sampler.py)
+#   3  reward_terms(...)["total"]         rollout(): the same call, with --format-weight's weight
+#   4  compute_advantages(...)            step_advantages(): the run's one call, --advantage's kind
+#   5  N = (targets >= 0).sum()           normaliser(): a row's N_i, every rank's tokens summed
+#      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
+#                                         passes (micro-batches of the kept rows, logp from
+#                                         fast_logprobs: tests/test_fast_logprobs.py)
+#   6  lr, clip, skip, AdamW's step       sync_gradients() (the sum over ranks), optimizer_step()
+# At the default objective flags, in fp32, the two compute the same numbers
+# (tests/test_plain_step.py). Editing objective() needs none of fast/ read: the fast log-probs
+# check the gradient they send against objective()'s own (fast/logprobs.Guess, its first
+# paragraph). The run's words besides: kept rows are those with gradient (at the default flags, the
+# groups with signal), the only ones the training passes run; a pass is one micro-batch's forward
+# and backward; a rank's share of L is what its rows add to it. Under bf16 (a GPU's default) the
+# sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). The options,
+# each changing one step (those that switch something on are off by default): plumbing/flags.py's
+# docstring lists them by step, --help with their values.
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
