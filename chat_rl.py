@@ -21,9 +21,10 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      first, in vocabulary order, whose cumulative probability under softmax(logits / temperature)
      over the tokenizer's vocabulary exceeds u, a uniform drawn in advance for its row and
      position from the problem's own random stream (engine.sample_reference; the same on 1 rank
-     or 8); the stop token is sampled and trained like any other. A calculator call such as `<<48/2=` gets its
-     result `24>>` written in, one token a position, counted in max_new_tokens. A mask marks each
-     token of a row: 1 if the policy sampled it, 0 for the prompt and the calculator's results.
+     or 8); the stop token is sampled and trained like any other. A calculator call such as
+     `<<48/2=` gets its result `24>>` written in, one token a position, counted in max_new_tokens.
+     A mask marks each token of a row: 1 if the policy sampled it, 0 for the prompt and the
+     calculator's results.
   3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
      (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
      scores 0, and so does one whose reward raises an exception.
