@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import chat_rl
+from test_rl_math import KINDS  # every kind of advantage by name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR, NUM_STEPS, MAX_NEW_TOKENS, FORMAT_WEIGHT, EVAL_EXAMPLES, EVAL_SAMPLES = 4e-4, 4, 40, 0.5, 4, 4
@@ -116,7 +117,9 @@ def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
     assert all(torch.equal(start[k], end[k]) for k in start)
 
 
-@pytest.mark.parametrize("flag", ["--advantage=zscore", "--loss-norm=sequence"])
+@pytest.mark.parametrize(
+    "flag", [*(f"--advantage={kind}" for kind in KINDS if kind != "mean"), "--loss-norm=sequence"]
+)
 def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
     # step 0 samples the same completions under any objective (same weights, same seeds):
     # only the loss differs
