@@ -219,6 +219,8 @@ def print_help(hyperparameters, presets, doc):
 
 # --advantage's kinds, each a branch of chat_rl.compute_advantages: the one list of them
 ADVANTAGES = ("mean", "zscore")
+# --loss-norm's normalisers, each an entry of chat_rl.normaliser's table: the one list of them
+LOSS_NORMS = ("kept_tokens", "all_tokens", "sequence")
 
 
 def check_config(cfg, world_size):
@@ -318,11 +320,10 @@ def check_config(cfg, world_size):
             "--loss-norm=token is now kept_tokens (the same normaliser); "
             "all_tokens counts the dropped groups too"
         )
-    loss_norms = ("kept_tokens", "all_tokens", "sequence")
     if cfg.advantage not in ADVANTAGES:
         raise ConfigError(f"--advantage is {' | '.join(ADVANTAGES)}, not {cfg.advantage!r}")
-    if cfg.loss_norm not in loss_norms:
-        raise ConfigError(f"--loss-norm is {' | '.join(loss_norms)}, not {cfg.loss_norm!r}")
+    if cfg.loss_norm not in LOSS_NORMS:
+        raise ConfigError(f"--loss-norm is {' | '.join(LOSS_NORMS)}, not {cfg.loss_norm!r}")
     check_objective(cfg)
     check_model_path(cfg.model)
     # the generic task's options

@@ -25,11 +25,11 @@ import fast.logprobs as fast_lp
 from fast.logprobs import fast_logprobs, make_shared_batch, plain_logprobs
 from plumbing import fsdp
 from policy.gpt import GPT, GPTConfig
+from test_objective import NORMS  # every --loss-norm by name
 
 TOLERANCE = 1e-6  # of each tensor's largest entry: fp32 summation order, nothing more
 T = 0.7  # a rollout temperature, so that dividing the logits by it is checked too
 NUM_SAMPLES = 4
-NORMS = ("all_tokens", "kept_tokens", "sequence")
 FAMILIES = {
     "llama (GQA, tied head)": dict(),
     "qwen2 (qkv bias, untied head)": dict(attention_bias=True, tie_word_embeddings=False),

@@ -24,7 +24,14 @@ from policy.tokenizer import ByteTokenizer
 from test_rl_math import LinearNLLModel, linear_logprobs  # log p of token t is -w * t
 
 V, T = 48, 0.7
+# every --loss-norm by name, written out rather than read from plumbing/flags.LOSS_NORMS (a loop
+# over that list passes with a name left out of it): a normaliser of your own joins here, and the
+# tests parametrized by NORMS (here, test_objective_options', test_fast_logprobs') run it
 NORMS = ("kept_tokens", "all_tokens", "sequence")
+
+
+def test_the_tests_name_every_normaliser_the_flag_accepts():
+    assert sorted(NORMS) == sorted(flags.LOSS_NORMS)
 
 
 def small_model(seed=0):
