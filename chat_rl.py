@@ -39,11 +39,12 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      holding token t + 1 of a row (what predicts it is token t), 0 off S_i. N is one number:
      every sampled token of the step on all ranks, a unanimous group's too. Worked by hand in
      tests/test_rl_math.py's test_loss_equals_hand_computed_value: two groups of two, N = 7.
-  6. Update [plain_step's step-6 lines]. The gradients, zeroed before the step's backward, are
-     summed over ranks (plumbing/distributed.sync_gradients; not averaged: N counts every rank's
-     tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
-     0.95, eps 1e-8, no weight decay), unless the loss or the gradient is not finite or no group
-     has signal. The lr falls linearly: step s = 0, 1, ... uses lr x (1 - s / num_steps).
+  6. Update [plain_step's step-6 lines, optimizer_step()]. The gradients, zeroed before the
+     step's backward, are summed over ranks (plumbing/distributed.sync_gradients; not averaged: N
+     counts every rank's tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw:
+     fused, betas 0.9 and 0.95, eps 1e-8, no weight decay), unless the loss or the gradient is not
+     finite or no group has signal (kept_tokens 0). The lr falls linearly: step s = 0, 1, ... uses
+     lr x (1 - s / num_steps).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
 
@@ -253,15 +254,12 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     N = (targets >= 0).sum()  # a number: the step's sampled tokens
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
-    # 6. the gradient's norm clipped, then one AdamW step at this step's lr (one rank: no sum over
-    # ranks). No step where no group has signal (every A_i is 0: AdamW's momentum would still move
-    # every weight) or anything is not finite. optimizer_step() is the run's version; its test,
-    # kept_tokens > 0, is this one at the default flags (a row with signal samples a token at least)
-    for group in optimizer.param_groups:
-        group["lr"] = peak_lr * (1 - step / num_steps)  # from the peak at step 0 toward 0
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    if advantages.any() and norm.isfinite() and loss.isfinite():
-        optimizer.step()
+    # 6. the lr, falling from the peak at step 0 toward 0; then optimizer_step(), the run's: the
+    # gradient's norm clipped, one AdamW step, none where the rows with signal sampled no token
+    # (kept_tokens 0) or anything is not finite (one rank: no sum over ranks)
+    lr = peak_lr * (1 - step / num_steps)
+    kept_tokens = int((targets[advantages != 0] >= 0).sum())  # the rows with signal's S_i
+    optimizer_step(model, optimizer, lr, grad_clip, float(loss.detach()), kept_tokens)
     return loss.detach(), rewards
 
 
@@ -277,7 +275,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 #      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
 #                                         passes (micro-batches of the kept rows, logp from
 #                                         fast_logprobs: tests/test_fast_logprobs.py)
-#   6  lr, clip, skip, AdamW's step       sync_gradients() (the sum over ranks), optimizer_step()
+#   6  lr, optimizer_step(...)            train_step()'s lr, sync_gradients() (the sum over ranks)
+#                                         before the same optimizer_step()
 # At the default objective flags, in fp32, the two compute the same numbers
 # (tests/test_plain_step.py). Editing objective() needs none of fast/ read: the fast log-probs
 # check the gradient they send against objective()'s own (fast/logprobs.Guess, its first

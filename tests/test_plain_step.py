@@ -74,8 +74,8 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
 
 
 def test_a_step_without_signal_takes_no_update():
-    # plain_step skips a step without signal, as the run's optimizer_step does: after a step with
-    # signal, AdamW's momentum would move every weight again at a zero gradient
+    # plain_step skips a step without signal (kept_tokens 0 to the run's optimizer_step): after a
+    # step with signal, AdamW's momentum would move every weight again at a zero gradient
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
     lr = chat_rl.PRESETS["demo"]["lr"]
     optimizer = start.adamw(model.parameters(), lr, DEFAULTS)  # the run's AdamW
