@@ -19,6 +19,7 @@ import test_objective as base  # the objective's own tests: their model, rollout
 import test_objective_options as opts  # the tests' one reference loss, written out
 from fast.logprobs import make_batch, plain_logprobs, sampled_tokens
 from plumbing import checkpoint, flags, metrics
+from test_plain_step import first_step_of_train  # train()'s first step, recorded
 
 T, NUM_SAMPLES = base.T, base.NUM_SAMPLES
 PATHS = {"plain": plain_logprobs, "fast": chat_rl.fast_logprobs}
@@ -164,33 +165,10 @@ def brief(monkeypatch):
     monkeypatch.setattr(chat_rl, "step_advantages", with_brevity)
 
 
-def first_step(tmp_path, monkeypatch, *flags):
-    """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
-    {"out": its rollout's dict, "advantages": what its backward received}. A test of an advantage
-    of your own runs it with your flag and holds "advantages" to your formula on "out"."""
-    seen = {}
-    rollout, backward = chat_rl.rollout, chat_rl.policy_gradient_backward
-
-    def recording_rollout(*args, **kwargs):
-        seen["out"] = rollout(*args, **kwargs)
-        return seen["out"]
-
-    def recording_backward(model, sequences, masks, advantages, **kwargs):
-        seen["advantages"] = advantages.clone()
-        return backward(model, sequences, masks, advantages, **kwargs)
-
-    monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
-    monkeypatch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
-    argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
-            "--examples-per-step=4", "--num-samples=4", "--max-new-tokens=40", *flags]  # fmt: skip
-    assert chat_rl.main(argv) == 0
-    return seen
-
-
 def test_a_forks_own_advantage_reaches_the_loss(brief, tmp_path, monkeypatch):
     # the pattern for an advantage with a flag: train()'s first step, the advantages its backward
     # receives held to the formula written out on its rollout
-    seen = first_step(tmp_path, monkeypatch, "--seed=1", f"--brevity={BREVITY}")
+    seen = first_step_of_train(tmp_path, monkeypatch, "--seed=1", f"--brevity={BREVITY}")
     r = torch.tensor(seen["out"]["total"]).view(-1, 4)
     lengths = torch.tensor(seen["out"]["tokens"], dtype=torch.float).view(-1, 4)
     signal = r.amax(dim=1) > r.amin(dim=1)

@@ -15,15 +15,23 @@ DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its 
 
 
 def first_step_of_train(tmp_path, monkeypatch, *flags):
-    """train()'s step 0 on the demo: its rollout's arguments and output, the gradient its update
-    stepped with (summed over ranks, clipped) and the weights after it."""
+    """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
+    {"problems", "seed", "out": its rollout's arguments and dict, "advantages": what its backward
+    received, "grads": the gradient its update stepped with (summed over ranks, clipped),
+    "weights": the weights after it}. A test of an advantage of your own runs it with your flag and
+    holds "advantages" to your formula on "out" (tests/test_fork.py does)."""
     seen = {}
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
+    backward = chat_rl.policy_gradient_backward
 
     def recording_rollout(engine, task, problems, *args, **kwargs):
         out = rollout(engine, task, problems, *args, **kwargs)
         seen.update(problems=problems, seed=args[4], out=out)
         return out
+
+    def recording_backward(model, sequences, masks, advantages, **kwargs):
+        seen["advantages"] = advantages.clone()
+        return backward(model, sequences, masks, advantages, **kwargs)
 
     def recording_step(model, optimizer, *args):
         stepped = optimizer_step(model, optimizer, *args)  # clips .grad in place, then steps
@@ -33,6 +41,7 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
 
     monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
     monkeypatch.setattr(chat_rl, "optimizer_step", recording_step)
+    monkeypatch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
     argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
             "--examples-per-step=4", f"--num-samples={NUM_SAMPLES}",
             f"--max-new-tokens={MAX_NEW_TOKENS}", "--device-batch-size=5", *flags]  # fmt: skip
