@@ -15,8 +15,8 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      problems; each step takes its next examples_per_step, each rank (one process of a torchrun
      launch, one per GPU; a laptop has one) an equal, contiguous share: the step alone fixes the
      data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference; a first read skips its calculator lines, knowing that
-     the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
+  2. Sampling [engine.generate_reference; a first read skips the Calculator it calls, knowing
+     that the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
      then its reply's: num_samples of each problem, its group, at temperature 1. Each token is the
      first, in vocabulary order, whose cumulative probability under softmax(logits / temperature)
      over the tokenizer's vocabulary exceeds u, a uniform drawn in advance for its row and

@@ -12,8 +12,8 @@ can still move in the last bit with the batch's size or the cache, as any batche
 where that crosses the boundary between two tokens, the draw differs.)
 
 generate_reference samples a batch the simplest correct way: one loop over token positions t,
-the model rerun over every running row's whole sequence at each, each row's calculator state in
-plain Python.
+the model rerun over every running row's whole sequence at each, each row's calculator a small
+object in plain Python (Calculator).
 
 The Engine samples the same rows with a KV cache, each prompt's shared by its samples, and
 finished rows compacted out of the batch (its class says how); the tests hold it to
@@ -100,23 +100,21 @@ def generate_reference(
     (tool given to the Engine's constructor), the same Samples, token for token. No cache: at
     each position t the model runs over every running row's whole sequence, right-padded (under
     causal attention, padding after a row's last real token changes nothing there), and row b
-    draws its token t with u[b, t]. A row's calculator state is plain Python: its completion's
-    text and the result tokens it has still to write. A result token takes a position's place:
-    the model still runs there, u[b, t] goes unused, and the token counts toward
-    max_new_tokens. The Engine computes the same rows with a KV cache (each prompt's shared by
-    its samples), compacts finished rows out of the batch, and spots calls on the device with
-    an automaton equivalent to CALL. chat_rl.rollout asks for include_stop=True (a finished row
-    keeps its stop token, sampled and trained like any other) and a seed per prompt (uniforms).
+    draws its token t with u[b, t]. A row's Calculator (below; a first read skips it) may write
+    a call's result in place of a draw: the model still runs there, u[b, t] goes unused, the
+    token gets mask 0 and counts toward max_new_tokens. The Engine computes the same rows with a
+    KV cache (each prompt's shared by its samples), compacts finished rows out of the batch, and
+    spots calls on the device with an automaton equivalent to CALL. chat_rl.rollout asks for
+    include_stop=True (a finished row keeps its stop token, sampled and trained like any other)
+    and a seed per prompt (uniforms).
     """
     device = model.lm_head.weight.device
     B = len(prompts) * num_samples
     u = uniforms(seed, len(prompts), num_samples, max_new_tokens, device)
     prompt = [list(prompts[b // num_samples]) for b in range(B)]
-    # each row's generated tokens, and 1 where sampled
+    # each row's generated tokens, 1 where sampled, the sampler's log-probs; its calculator
     new, mask, logps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    # its completion's text, the tool's tokens to come
-    text, pending = [""] * B, [[] for _ in range(B)]
-    calls, errors = [0] * B, [0] * B
+    calculator = [Calculator(tool, tokenizer) for _ in range(B)]
     running = list(range(B))
     for t in range(max_new_tokens):
         if not running:
@@ -129,23 +127,16 @@ def generate_reference(
         drawn, logp = sample_reference(logits, u[running, t], temperature, top_k, logprobs=True)
         still_running = []
         for b, token, lp in zip(running, drawn.tolist(), logp.tolist()):
-            forced = bool(pending[b])  # (the calculator's: without tool, never)
-            if forced:  # the tool's result goes in place of the draw, which is discarded
-                token, lp = pending[b].pop(0), 0.0
+            forced = calculator[b].result_token()  # None, unless a call's result is being written
+            if forced is not None:  # it goes in place of the draw, which is discarded
+                token, lp = forced, 0.0
             new[b].append(token)
-            mask[b].append(0 if forced else 1)
+            mask[b].append(1 if forced is None else 0)
             logps[b].append(lp)
             if token in tokenizer.stop_tokens:
                 continue
             still_running.append(b)
-            # the rest is the calculator's: a call just written ('<<48/2=') queues its result
-            # ('24>>') in pending, forced at the row's next positions. Each token decoded alone,
-            # as the Engine's tables hold them (a result's tokens too)
-            piece = tokenizer.decode([token])
-            text[b] += piece
-            if tool is not None and piece.endswith("=") and CALL.search(text[b]):
-                pending[b] = tool_result(tool, tokenizer, new[b])
-                calls[b], errors[b] = calls[b] + 1, errors[b] + (not pending[b])
+            calculator[b].wrote(new[b])
         running = still_running
     sequences, masks, logprobs = [], [], []
     for b in range(B):
@@ -155,7 +146,35 @@ def generate_reference(
         sequences.append(prompt[b] + new[b])
         masks.append([0] * len(prompt[b]) + mask[b])
         logprobs.append([0.0] * len(prompt[b]) + logps[b])
+    calls, errors = [c.calls for c in calculator], [c.errors for c in calculator]
     return Samples(sequences, masks, calls, errors, logprobs)
+
+
+class Calculator:
+    """
+    One row's calculator in generate_reference, plain Python: its completion's text and the
+    result tokens it has still to write. A call just written ('<<48/2=') queues its result
+    ('24>>'), which the row's next positions take, one token each, in place of their draws.
+    Without a tool (tool=None) it never calls.
+    """
+
+    def __init__(self, tool, tokenizer):
+        self.tool, self.tokenizer = tool, tokenizer
+        self.text, self.pending = "", []
+        self.calls = self.errors = 0  # calls made, and of them the refused ones
+
+    def result_token(self):
+        """The token this position writes for the calculator, or None (the draw stands)."""
+        return self.pending.pop(0) if self.pending else None
+
+    def wrote(self, completion):
+        """After each token the row writes (completion: its tokens so far, the last one new).
+        Each token decoded alone, as the Engine's tables hold them (a result's tokens too)."""
+        piece = self.tokenizer.decode(completion[-1:])
+        self.text += piece
+        if self.tool is not None and piece.endswith("=") and CALL.search(self.text):
+            self.pending = tool_result(self.tool, self.tokenizer, completion)
+            self.calls, self.errors = self.calls + 1, self.errors + (not self.pending)
 
 
 def tool_result(tool, tokenizer, completion):
