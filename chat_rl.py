@@ -37,14 +37,15 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      logp_it: the token's log-probability under softmax(logits / temperature), the distribution
      it was drawn from; in code logp is (rows, T), T the longest row's length - 1, column t
      holding token t + 1 of a row (what predicts it is token t), 0 off S_i. N is one number:
-     every sampled token of the step on all ranks, a unanimous group's too. Worked by hand in
+     every sampled token of the step on all ranks: a unanimous group's, a cut-off completion's and
+     the stop token too; not the prompt's, the calculator's, or padding. Worked by hand in
      tests/test_rl_math.py's test_loss_equals_hand_computed_value: two groups of two, N = 7.
   6. Update [plain_step's step-6 lines, optimizer_step()]. The gradients, zeroed before the
      step's backward, are summed over ranks (plumbing/distributed.sync_gradients; not averaged: N
      counts every rank's tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw:
      fused, betas 0.9 and 0.95, eps 1e-8, no weight decay), unless the loss or the gradient is not
-     finite or no group has signal (kept_tokens 0). The lr falls linearly: step s = 0, 1, ... uses
-     lr x (1 - s / num_steps).
+     finite or no group has signal (kept_tokens 0). The lr falls linearly, no warmup: step s = 0,
+     1, ... uses lr x (1 - s / num_steps), lr being --lr (--lora-lr with LoRA).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
 
@@ -258,7 +259,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     # gradient's norm clipped, one AdamW step, none where the rows with signal sampled no token
     # (kept_tokens 0) or anything is not finite (one rank: no sum over ranks)
     lr = peak_lr * (1 - step / num_steps)
-    kept_tokens = int((targets[advantages != 0] >= 0).sum())  # the rows with signal's S_i
+    kept = rows_with_gradient(advantages, num_samples)  # the groups with signal, as the run's
+    kept_tokens = int((targets[kept] >= 0).sum())  # their S_i
     optimizer_step(model, optimizer, lr, grad_clip, float(loss.detach()), kept_tokens)
     return loss.detach(), rewards
 
