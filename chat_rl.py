@@ -12,40 +12,47 @@ ranks and bf16 have tests of their own (test_objective, test_distributed, test_c
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
-     problems; each step takes its next examples_per_step, each rank (one process of a torchrun
-     launch, one per GPU; a laptop has one) an equal, contiguous share: the step alone fixes the
-     data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference; a first read skips the Calculator it calls, knowing
-     that the tokens the calculator writes get mask 0]. A row is one completion, its prompt's tokens
-     then its reply's: num_samples of each problem, its group, at temperature 1. Each token is the
-     first, in vocabulary order, whose cumulative probability under softmax(logits / temperature)
-     over the tokenizer's vocabulary exceeds u, a uniform drawn in advance for its row and
-     position from the problem's own random stream (engine.sample_reference; the same on 1 rank
-     or 8); the stop token is sampled and trained like any other. A calculator call such as
-     `<<48/2=` gets its result `24>>` written in, one token a position, counted in max_new_tokens.
-     A mask marks each token of a row: 1 if the policy sampled it, 0 for the prompt and the
-     calculator's results.
-  3. Scoring [tasks/common.rewards]. The reward is 1 if the verifier finds the right final answer
-     (GSM8K's "#### <number>", MATH's \\boxed{}), else 0: a completion cut off before its answer
-     scores 0, and so does one whose reward raises an exception.
+     problems. Each step takes the next examples_per_step of them; each rank (one process of a
+     torchrun launch, one per GPU; a laptop has one) takes an equal, contiguous share. The step
+     alone fixes the data, so a resumed run continues it.
+  2. Sampling [engine.generate_reference, which draws each token with engine.sample_reference].
+     - Each problem gets num_samples completions, its group. A row is a prompt's tokens, then one
+       completion's.
+     - A token: p = softmax(logits / temperature) over the tokenizer's vocabulary, temperature 1;
+       the token is the first, in vocabulary order, where cumsum(p) exceeds u. u is a uniform
+       drawn in advance for the row and position from the problem's own random stream (so a
+       problem samples alike on 1 rank or 8).
+     - A row ends at the stop token (sampled and trained like any other) or at max_new_tokens.
+     - The calculator: after a call such as `<<48/2=`, its result `24>>` is written in, one token
+       a position, counted in max_new_tokens (engine.Calculator; a first read skips it).
+     - The mask, per token of a row: 1 if the policy sampled it, 0 on the prompt and on the
+       calculator's tokens.
+  3. Scoring [tasks/common.rewards]. r = 1 if the verifier finds the right final answer (GSM8K's
+     "#### <number>", MATH's \\boxed{}), else 0. A completion cut off before its answer scores 0,
+     and so does one whose reward raises an exception.
   4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
-     number a row. A group whose rewards are all equal is unanimous: A = 0, nothing to learn;
+     number a row. A group whose rewards are all equal is unanimous (A = 0: nothing to learn);
      one whose rewards differ has signal.
   5. Loss [plain_step's step-5 lines; fast/logprobs.py's make_batch and plain_logprobs]. Over the
-     step's completions i on all ranks, and the tokens S_i each sampled (mask 1):
+     step's completions i on all ranks, S_i the tokens i sampled (mask 1):
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
-     logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-     it was drawn from; in code logp is (rows, T), T the longest row's length - 1, column t
-     holding token t + 1 of a row (what predicts it is token t), 0 off S_i. N is one number:
-     every sampled token of the step on all ranks: a unanimous group's, a cut-off completion's and
-     the stop token too; not the prompt's, the calculator's, or padding. Worked by hand in
-     tests/test_rl_math.py's test_loss_equals_hand_computed_value: two groups of two, N = 7.
-  6. Update [plain_step's step-6 lines, optimizer_step()]. The gradients, zeroed before the
-     step's backward, are summed over ranks (plumbing/distributed.sync_gradients; not averaged: N
-     counts every rank's tokens), their norm clipped to 1, and AdamW steps (plumbing/start.adamw:
-     fused, betas 0.9 and 0.95, eps 1e-8, no weight decay), unless the loss or the gradient is not
-     finite or no group has signal (kept_tokens 0). The lr falls linearly, no warmup: step s = 0,
-     1, ... uses lr x (1 - s / num_steps), lr being --lr (--lora-lr with LoRA).
+     - logp_it: the token's log-probability under softmax(logits / temperature), the distribution
+       it was drawn from.
+     - In code: logp is (rows, T), T the longest row's length - 1, column t holding token t + 1
+       of a row (predicted from token t), 0 off S_i; A is (rows,).
+     - N is one number: every sampled token of the step on all ranks, a unanimous group's, a
+       cut-off completion's and the stop token included; not the prompt, the calculator's tokens
+       or padding. Worked by hand in tests/test_rl_math.py's test_loss_equals_hand_computed_value:
+       two groups of two, N = 7.
+  6. Update [plain_step's step-6 lines, optimizer_step()].
+     - The gradients, zeroed before the step's backward, are summed over ranks
+       (plumbing/distributed.sync_gradients; not averaged: N counts every rank's tokens).
+     - Their norm is clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
+       0.95, eps 1e-8, no weight decay).
+     - Skipped if the loss or the gradient is not finite, or if no group has signal (kept_tokens
+       0).
+     - The lr falls linearly, no warmup: step s = 0, 1, ... uses lr x (1 - s / num_steps), lr
+       being --lr (--lora-lr with LoRA).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
 
