@@ -19,9 +19,10 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      - Each problem gets num_samples completions, its group. A row is a prompt's tokens, then one
        completion's.
      - A token: p = softmax(logits / temperature) over the tokenizer's vocabulary, temperature 1;
-       the token is the first, in vocabulary order, where cumsum(p) exceeds u. u is a uniform
-       drawn in advance for the row and position from the problem's own random stream (so a
-       problem samples alike on 1 rank or 8).
+       the token is the first, in vocabulary order, where cumsum(p) exceeds u (in code, u x the
+       sum's last entry, 1 but for rounding; never past the last token with probability). u is a
+       uniform drawn in advance for the row and position from the problem's own random stream (so
+       a problem samples alike on 1 rank or 8).
      - A row ends at the stop token (sampled and trained like any other) or at max_new_tokens.
      - The calculator: after a call such as `<<48/2=`, its result `24>>` is written in, one token
        a position, counted in max_new_tokens (engine.Calculator; a first read skips it).
@@ -49,8 +50,9 @@ One optimizer step at the default flags, [the plain piece that holds it]:
        (plumbing/distributed.sync_gradients; not averaged: N counts every rank's tokens).
      - Their norm is clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
        0.95, eps 1e-8, no weight decay).
-     - Skipped if the loss or the gradient is not finite, or if no group has signal (kept_tokens
-       0).
+     - Skipped if the loss or the gradient is not finite, or if no group has signal: kept_tokens,
+       the tokens of the groups with signal on all ranks (logged; not N, which counts every
+       group's), is 0.
      - The lr falls linearly, no warmup: step s = 0, 1, ... uses lr x (1 - s / num_steps), lr
        being --lr (--lora-lr with LoRA).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
@@ -400,12 +402,12 @@ def step_advantages(out, cfg):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
-    """One micro-batch's share of the loss L, and its stats: what a fork edits (GSPO's ratio, a
-    penalty per token, ...; docs/objective.md has the recipe). At the default flags it is the
-    first branch, the module docstring's step 5 for this pass's rows; the rest of this docstring
-    is for the options and the fast path. Keep it a pure function: the fast log-probs call it
-    again on stand-ins to guess its gradient and check the guess bit for bit (fast/logprobs.Guess,
-    its first paragraph); --logprobs=plain runs it with no guess at all.
+    """One micro-batch's share of the loss L, and its stats. At the default flags, the first branch:
+        loss = (-(A / N) * sampled * logp).sum()     the module docstring's step 5, this pass's rows
+    What a fork edits (GSPO's ratio, a penalty per token, ...; docs/objective.md has the recipe);
+    the rest of this docstring is for the options and the fast path. Keep it a pure function: the
+    fast log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
+    (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
     per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
     rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by
