@@ -4,11 +4,11 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps
-2-6 at the default flags in under fifty lines of plain torch, calling the plain pieces the list
-names. tests/test_plain_step.py holds the run's rewards, gradient and update to it on the demo, one
-rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches against plain_step); several
-ranks and bf16 have tests of their own (test_objective, test_distributed, test_cuda_precision).
+For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps 2-6
+at the default flags in under fifty lines of plain torch, calling the plain pieces the list names.
+tests/test_plain_step.py holds the run's rewards, loss, gradient and update to it on the demo, one
+rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches against plain_step); several ranks
+and bf16 have tests of their own (test_objective, test_distributed, test_cuda_precision).
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
@@ -236,7 +236,7 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     num_steps; tool: calculator.calculate (--tool's default), or None (--tool=none); grad_clip:
     --grad-clip's (0: off). train_step() computes the same with its fast paths (the Engine's KV
     cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its
-    rewards, gradient and updated weights to this one's, in fp32 (no autocast here: under
+    rewards, loss, gradient and updated weights to this one's, in fp32 (no autocast here: under
     --dtype=bf16 the run's numbers round otherwise)."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone

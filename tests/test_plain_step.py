@@ -1,6 +1,6 @@
 """chat_rl.plain_step, the step in plain torch, against train()'s first step on the demo: the same
-completions, rewards, gradient and updated weights, so a reader can learn the algorithm from the
-plain one."""
+completions, rewards, loss, gradient and updated weights, so a reader can learn the algorithm from
+the plain one."""
 
 import pytest
 import torch
@@ -17,9 +17,10 @@ DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its 
 def first_step_of_train(tmp_path, monkeypatch, *flags):
     """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
     {"problems", "seed", "out": its rollout's arguments and dict, "advantages": what its backward
-    received, "grads": the gradient its update stepped with (summed over ranks, clipped),
-    "weights": the weights after it}. A test of an advantage of your own runs it with your flag and
-    holds "advantages" to your formula on "out" (tests/test_fork.py does)."""
+    received, "loss": L as its update saw it (summed over ranks), "grads": the gradient it stepped
+    with (summed over ranks, clipped), "weights": the weights after it}. A test of an advantage of
+    your own runs it with your flag and holds "advantages" to your formula on "out"
+    (tests/test_fork.py does)."""
     seen = {}
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
     backward = chat_rl.policy_gradient_backward
@@ -35,6 +36,7 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
 
     def recording_step(model, optimizer, *args):
         stepped = optimizer_step(model, optimizer, *args)  # clips .grad in place, then steps
+        seen["loss"] = args[2]  # (lr, grad_clip, loss, kept_tokens)
         seen["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         seen["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         return stepped
@@ -69,7 +71,7 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
     assert rewards == train["out"]["total"]  # the same completions, scored the same
     groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
-    assert loss != 0
+    assert loss != 0 and loss.item() == pytest.approx(train["loss"], rel=1e-5)
     clear = sum(int((g.abs() > 1e-5).sum()) for g in train["grads"].values())
     assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # a quarter at least
     for name, p in model.named_parameters():
