@@ -2,6 +2,8 @@
 completions, rewards, loss, gradient and updated weights, so a reader can learn the algorithm from
 the plain one."""
 
+import json
+
 import pytest
 import torch
 
@@ -18,9 +20,9 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
     """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
     {"problems", "seed", "out": its rollout's arguments and dict, "advantages": what its backward
     received, "loss": L as its update saw it (summed over ranks), "grads": the gradient it stepped
-    with (summed over ranks, clipped), "weights": the weights after it}. A test of an advantage of
-    your own runs it with your flag and holds "advantages" to your formula on "out"
-    (tests/test_fork.py does)."""
+    with (summed over ranks, clipped), "weights": the weights after it, "row": its train row of
+    metrics.jsonl}. A test of an advantage of your own runs it with your flag and holds
+    "advantages" to your formula on "out" (tests/test_fork.py does), and what it logs to "row"."""
     seen = {}
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
     backward = chat_rl.policy_gradient_backward
@@ -49,6 +51,8 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
             f"--max-new-tokens={MAX_NEW_TOKENS}", "--device-batch-size=5", *flags]  # fmt: skip
     assert chat_rl.main(argv) == 0
     monkeypatch.undo()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (seen["row"],) = [row for row in rows if row.get("split") != "eval"]  # one step, no eval
     return seen
 
 
@@ -72,6 +76,7 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
     groups = torch.tensor(rewards).view(-1, NUM_SAMPLES)
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
     assert loss != 0 and loss.item() == pytest.approx(train["loss"], rel=1e-5)
+    assert train["row"]["loss"] == pytest.approx(loss.item(), abs=1e-6)  # logged: L, 6 decimals
     clear = sum(int((g.abs() > 1e-5).sum()) for g in train["grads"].values())
     assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # a quarter at least
     for name, p in model.named_parameters():
