@@ -4,11 +4,24 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-For the algorithm, read the step list below, then plain_step() (past the hyperparameters): steps 2-6
-at the default flags in under fifty lines of plain torch, calling the plain pieces the list names.
-tests/test_plain_step.py holds the run's rewards, loss, gradient and update to it on the demo, one
-rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches against plain_step); several ranks
-and bf16 have tests of their own (test_objective, test_distributed, test_cuda_precision).
+For the algorithm, read the summary and the step list below, then plain_step() (past the
+hyperparameters): steps 2-6 at the default flags in under fifty lines of plain torch, calling the
+plain pieces the list names. tests/test_plain_step.py holds the run's rewards, loss, gradient and
+update to it on the demo, one rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches
+against plain_step); several ranks and bf16 have tests of their own (test_objective,
+test_distributed, test_cuda_precision).
+
+In short, one step at the default flags (B rows: num_samples completions of each problem; T: the
+longest row's length - 1; the step list after it says each line whole):
+    sample     token = the first v, in vocabulary order, with cumsum(softmax(logits / temp))[v] > u,
+               u ~ U[0, 1) drawn in advance; mask (per token) 1 where the policy drew it
+    reward     r (B,): 1 if the verifier finds the right answer, else 0
+    advantage  A = r - the mean of r over the row's group (B,)
+    loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off the sampled tokens; N the
+               step's sampled tokens, all ranks
+    update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
+               1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if anything is not
+               finite or no group has signal
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
