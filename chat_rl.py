@@ -20,8 +20,8 @@ longest row's length - 1; the step list after it says each line whole):
     loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off the sampled tokens; N the
                step's sampled tokens, all ranks
     update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
-               1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if anything is not
-               finite or no group has signal
+               1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if the loss or the
+               gradient is not finite or no group has signal
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
@@ -64,10 +64,10 @@ One optimizer step at the default flags, [the plain piece that holds it]:
      - Their norm is clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
        0.95, eps 1e-8, no weight decay).
      - Skipped if the loss or the gradient is not finite, or if no group has signal: kept_tokens,
-       the tokens of the groups with signal on all ranks (logged; not N, which counts every
-       group's), is 0.
+       the sampled tokens of the groups with signal on all ranks (logged; not N, which counts
+       every group's), is 0.
      - The lr falls linearly, no warmup: step s = 0, 1, ... uses lr x (1 - s / num_steps), lr
-       being --lr (--lora-lr with LoRA).
+       being --lr (--lora-lr with --lora-rank > 0).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
      samples at temperature 1.
 
@@ -416,7 +416,7 @@ def step_advantages(out, cfg):
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats. At the default flags, the first branch:
-        loss = (-(A / N) * sampled * logp).sum()     the module docstring's step 5, this pass's rows
+        loss = (-(A / N)[:, None] * sampled * logp).sum()   step 5 on this pass's rows; A, N (B,)
     What a fork edits (GSPO's ratio, a penalty per token, ...; docs/objective.md has the recipe);
     the rest of this docstring is for the options and the fast path. Keep it a pure function: the
     fast log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit

@@ -168,7 +168,8 @@ class Calculator:
         return self.pending.pop(0) if self.pending else None
 
     def wrote(self, completion):
-        """After each token the row writes (completion: its tokens so far, the last one new).
+        """After each token the row writes but its stop token (completion: its tokens so far, the
+        last one new).
         Each token decoded alone, as the Engine's tables hold them (a result's tokens too)."""
         piece = self.tokenizer.decode(completion[-1:])
         self.text += piece
