@@ -136,7 +136,11 @@ HYPERPARAMETERS = dict(
     model=("Qwen/Qwen2.5-0.5B-Instruct", "hub id | Hugging Face folder | PEFT LoRA folder"),
     out_dir=("out", "metrics.jsonl, samples.jsonl and checkpoints go here"),
     device_type=("", "cpu | cuda | mps; empty = autodetect"),
-    dtype=("auto", "fp32 | bf16 (autocast, fp32 weights) | auto: bf16 where the hardware has it"),
+    dtype=(
+        "auto",
+        "fp32 | bf16 (autocast, fp32 weights) | auto: bf16 on CUDA, and on a CPU with bf16 units "
+        "for a model whose matmuls gain from it (plumbing/distributed.bf16_pays)",
+    ),
     seed=(0, "seeds data order, sampling and evaluation"),
     resume=(False, "continue from the latest complete checkpoint in out_dir"),
     # rollouts
@@ -216,7 +220,8 @@ PRESETS = dict(
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
     # docs/smollm2.md: SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
     # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower);
-    # fp32: at 64 rows a pass bf16 was no faster on a 2-core CPU with bf16 units (benchmarks.md)
+    # fp32: bf16 (with --rollout-correction=tis) ran the whole preset 0.78-1.47x as fast on a 2-core
+    # CPU with bf16 units, not the 2x of its matmuls (benchmarks.md)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
                  device_type="cpu", dtype="fp32", examples_per_step=8, num_samples=8,
                  max_new_tokens=64, tool="none", num_steps=20, device_batch_size=16, lr=3e-5,
@@ -420,7 +425,8 @@ def objective(logp, batch):
     What a fork edits (GSPO's ratio, a penalty per token, ...; docs/objective.md has the recipe);
     the rest of this docstring is for the options and the fast path. Keep it a pure function: the
     fast log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
-    (fast/logprobs.Guess, its first paragraph); --logprobs=plain runs it with no guess at all.
+    (fast/logprobs.Guess, its first paragraph); --logprobs=plain ignores the guess (made all the
+    same, on a stand-in) and differentiates objective() by autograd alone.
     Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
     per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
     rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by

@@ -2,7 +2,7 @@
 The KV cache of engine.py's batched sampler: each prompt's keys and values stored once for all
 its samples, each sample's own keys beside them, and a decode pass's attention over both.
 
-The cache is a layout in the sense of policy/gpt.py's GPT.hidden_states, which states the
+The cache is a layout in the sense of policy/gpt.py's GPT._hidden_states, which states the
 protocol the model speaks to it (rope_and_mask, update in the prefill, attend in a decode pass,
 advance), as fast/shared_prefix.SharedPrefix speaks it for the loss.
 The engine calls share(S) once, between the prefill and the first decode pass, and

@@ -372,8 +372,9 @@ class Guess:
       made in the forward pass, once;
     - any other loss is caught (the gradient that arrives is compared with the guess, bit for
       bit) and its head gradients made again from it: slower, never wrong;
-    - --logprobs=plain runs the same step with no guess at all, the check after an edit
-      (tests/test_objective_options.py holds the options' gradients on both paths).
+    - --logprobs=plain runs the same step with the guess made but unused (plain_logprobs
+      ignores it: autograd alone), the check after an edit (tests/test_objective_options.py
+      holds the options' gradients on both paths).
 
     fast_logprobs' loss_grad through one call of chat_rl.policy_gradient_backward, from the
     objective itself: autograd's gradient of objective(x, batch) at a stand-in x for the log-probs

@@ -16,15 +16,15 @@ demo's 128-wide model) MKL is as fast, and small models keep their exact numbers
 copies live for one generate call, one more copy of those weights in memory while the engine
 samples, packed again at every call since training changes the weights between calls.
 
-decode_threads() sets the threads a call samples on. Under bf16 a decode pass on a CPU is a few
-dozen element-wise operations a layer between matmuls that bf16 made 3x shorter, and with torch's
-threads waiting passively (OMP_WAIT_POLICY=PASSIVE, chat_rl's default) each operation split over
-threads pays to wake them, more than the split saves at a few rows: on one thread the engine
-sampled SmolLM2-135M's 64 rows 1.5x faster than on two on a 2-core Intel Xeon (1.1-1.7x on an AMD
-EPYC), while at 256 rows one thread was as fast on the Intel and 0.76x on the AMD
-(docs/benchmarks.md). So under bf16 a decode pass of at most BF16_ONE_THREAD_ROWS running rows
-runs on one thread (a call's rows shrink as they finish); the prefill, and fp32 (so its numbers),
-keep their threads.
+DecodeThreads (a context manager; rows(n) before each decode pass) sets the threads a call samples
+on. Under bf16 a decode pass on a CPU is a few dozen element-wise operations a layer between matmuls
+that bf16 made 3x shorter, and with torch's threads waiting passively (OMP_WAIT_POLICY=PASSIVE,
+chat_rl's default) each operation split over threads pays to wake them, more than the split saves at
+a few rows: on one thread the engine sampled SmolLM2-135M's 64 rows 1.5x faster than on two on a
+2-core Intel Xeon (1.1-1.7x on an AMD EPYC), while at 256 rows one thread was as fast on the Intel
+and 0.76x on the AMD (docs/benchmarks.md). So under bf16 a decode pass of at most
+BF16_ONE_THREAD_ROWS running rows runs on one thread (a call's rows shrink as they finish); the
+prefill, and fp32 (so its numbers), keep their threads.
 """
 
 import platform

@@ -1,7 +1,8 @@
 """
 The Engine's sampler: engine.sample_reference's draws, token for token, without its full-row
 cumulative sum (a slow serial pass over the vocabulary) and within a bounded working set.
-tests/test_sampler.py and tests/test_reference_sampler.py hold it to the reference.
+tests/test_reference_sampler.py holds it to the reference; tests/test_sampler.py checks its draws
+against softmax(logits / temperature).
 """
 
 import torch
@@ -17,9 +18,10 @@ def sample_next_token(logits, u, temperature=1.0, top_k=None, logprobs=False):
     (all entries tied with the k-th largest are kept). temperature 0 = greedy argmax, u unused.
     logprobs: (tokens, their log-probs (B,) under that distribution, read off the probabilities
     the draw used; 0 at temperature 0).
-    Rows go through in chunks of at most ROWS_X_VOCAB entries, so that at every position the
-    softmax's temporaries are the same few small tensors, reused from the caches and the
-    allocator's free lists, rather than fresh ones the size of all rows x the whole vocabulary.
+    On a CPU rows go through in chunks of about ROWS_X_VOCAB entries (chunk_rows; on CUDA all at
+    once), so that at every position the softmax's temporaries are the same few small tensors,
+    reused from the caches and the allocator's free lists, rather than fresh ones the size of all
+    rows x the whole vocabulary.
     """
     if temperature == 0.0:
         token = logits.argmax(dim=-1)
