@@ -9,8 +9,9 @@ its weights merged, and its adapter alone in adapter/, a PEFT folder with the to
 (lora_base says how it names its base). Under --fsdp the optimizer state is in optimizer/
 instead, one file per rank with its shard (fsdp.py); either kind resumes with or without --fsdp.
 Data position is the step itself: step s always takes the s-th slice of a per-epoch permutation
-fixed by the seed, and every sampling seed is derived from (seed, step, the problem's place in
-the step), never from the rank, so nothing else is needed to continue bit-identically on CPU.
+fixed by the seed, and every training rollout's seed is derived from (seed, step, the problem's
+place in the step; a --refill round adds its number), an eval's from (seed, the held-out problem),
+never from the rank, so nothing else is needed to continue bit-identically on CPU.
 Writes are atomic: the folder is written under a temporary name and renamed into place, so a
 crash mid-write leaves a `.tmp-` folder that is never mistaken for a checkpoint.
 """
@@ -107,8 +108,9 @@ def build_policy(cfg, state, device, dtype=None):
     a PEFT LoRA folder (adapter_config.json): its base with the adapter, merged in for full
     fine-tuning, trained on with --lora-rank. With --lora-rank > 0 the base is frozen in dtype
     (None: cfg.dtype as run_dtype resolved it, or else bf16 on CUDA and fp32 elsewhere) and the
-    adapters train (policy/lora.py); a resumed LoRA run reloads its base from --model and its
-    adapters from the checkpoint.
+    adapters train (policy/lora.py); a resumed LoRA run reloads its base from the --model it first
+    started with (the checkpoint's config, whatever --model says now) and its adapters from the
+    checkpoint.
     """
     source = (
         (state["config"]["model"] if cfg.lora_rank else state["model_dir"]) if state else cfg.model

@@ -6,8 +6,10 @@ chat_rl.HYPERPARAMETERS maps each name to (default, help), and chat_rl.PRESETS n
 their changes to the defaults. A run starts from the defaults, with a preset's changes over them
 (--preset=demo), and command-line flags win over both:
 --name=value and --name value both work, as in every argparse script; a bare --name sets a
-boolean. Every impossible or nonsensical combination is refused with a one-line reason
-(ConfigError) before any process group, model or data is touched.
+boolean. An impossible or nonsensical combination of flags is refused with a one-line reason
+(ConfigError) before any process group, model or data is touched; what needs the data, the model
+or a checkpoint read first (--kl-beta beside LoRA training a whole module, a single --data file
+with evals on, a resume whose settings differ) is refused in one line once it is read.
 
 The options, by the step of chat_rl.py's docstring they change (those that switch something on
 are off by default):
@@ -52,7 +54,8 @@ class RunError(Exception):
 
 
 class ConfigError(RunError):
-    """A bad flag or an impossible combination: one line (exit 2), before any work."""
+    """A bad flag or an impossible combination: one line (exit 2), before any work where the
+    flags alone tell (the module docstring names what waits for the data or the model)."""
 
     def __init__(self, message):
         super().__init__(message, every_rank=True)

@@ -3,12 +3,13 @@ A stop within seconds on SIGTERM (preemption) or SIGINT (Ctrl-C), whatever runs:
 way is left unfinished, train() keeps or writes the checkpoint of the last finished step, and
 every rank exits 0.
 
-Work is of two kinds. A rank's own (a rollout, an eval's sampling, a training pass without
---fsdp) runs inside `abandonable(model)`: from the model's first forward in it, the signal
-handler raises Abandon where the program is, between two Python operations (a decoder layer, a
-sampled token, a chunk of the head: about a second apart for a 135M model on a 2-core CPU), and
-the block is left. Collective work (all-reduces; a training pass under --fsdp, which gathers each
-layer from every rank) never runs inside one, so no rank leaves a collective its peers are in.
+Work is of two kinds. A rank's own (a rollout, an eval's sampling, a training pass of a step's first
+epoch without --fsdp; a stop after a step's first update lets it finish its epochs) runs inside
+`abandonable(model)`: from the model's first forward in it, the signal handler raises Abandon where
+the program is, between two Python operations (a decoder layer, a sampled token, a chunk of the
+head: about a second apart for a 135M model on a 2-core CPU), and the block is left. Collective work
+(all-reduces; a training pass under --fsdp, which gathers each layer from every rank) never runs
+inside one, so no rank leaves a collective its peers are in.
 Right after each block every rank calls `requested()`, one all-reduce: if any rank was asked to
 stop, every rank leaves the step there. A signal that reaches one rank only (the others still
 sampling) stops them at the end of their block.
