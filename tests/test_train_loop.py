@@ -3,6 +3,7 @@ rows of metrics.jsonl hold."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -103,6 +104,16 @@ def test_eval_rows_hold_their_invariants(demo_run):
     assert any(
         0 < r["pass@1"] < r[f"pass@{EVAL_SAMPLES}"] for r in evals
     )  # values between the bounds: the order was tested
+
+
+def test_every_key_the_rows_hold_is_in_docs_metrics(demo_run):
+    # a key docs/metrics.md names in backticks; pass@2 ... pass@k under its `pass@k`
+    with open(os.path.join(REPO, "docs", "metrics.md")) as f:
+        spans = re.findall(r"`([^`]+)`", f.read())
+    named = {word for span in spans for word in re.findall(r"[\w@]+", span)}
+    _, train, evals = demo_run
+    keys = {re.sub(r"^pass@\d+$", "pass@k", key) for row in train + evals for key in row}
+    assert keys - named == set(), "keys the rows hold that docs/metrics.md does not name"
 
 
 def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
