@@ -6,15 +6,16 @@ LoRA (Hu et al. 2021): the base model frozen, and each adapted projection y = W 
 so that training starts from the base model exactly.
 
 Memory is why: full fine-tuning keeps fp32 weights, gradients and both AdamW moments, 16 bytes a
-parameter; with LoRA the base is 2 bytes a parameter (bf16 on CUDA; fp32, 4, on the CPU, where
-compute is fp32) and only the adapters, a fraction of a percent of them, get gradients and AdamW
-state. Quality is the question, and for RL the answer is in "LoRA Without Regret" (Schulman et
-al. 2025): policy-gradient RL, which learns about one bit an episode, matches full fine-tuning
-with LoRA even at rank 1, if the learning rate is about 10x full fine-tuning's (chat_rl's
---lora-lr) and adapters sit on every linear layer, the MLP's included (--lora-targets' default).
+parameter; with LoRA the base is 2 bytes a parameter where the run computes in bf16 (CUDA, or a CPU
+under --dtype=bf16 or auto's bf16; fp32, 4, otherwise) and only the adapters, a fraction of a
+percent of them, get gradients and AdamW state. Quality is the question, and for RL the answer is in
+"LoRA Without Regret" (Schulman et al. 2025): policy-gradient RL, which learns about one bit an
+episode, matches full fine-tuning with LoRA even at rank 1, if the learning rate is about 10x full
+fine-tuning's (chat_rl's --lora-lr) and adapters sit on every linear layer, the MLP's included
+(--lora-targets' default).
 
 Where chat_rl meets it: plumbing/checkpoint.build_policy calls add_adapters when it builds the
-model, chat_rl.train gives AdamW only the parameters that still require a gradient, and a
+model, plumbing/start.start gives AdamW only the parameters that still require a gradient, and a
 checkpoint holds the merged weights as a plain Hugging Face folder (merged_state_dict), with the
 adapter alone beside it as a PEFT folder (save_adapter, which peft.PeftModel.from_pretrained
 loads on the base; load_adapter reads one back).

@@ -6,8 +6,8 @@ Rows come from --data (plumbing/data.py reads files and hub data sets), in any s
     reference(row) = the answer column, as the verifier reads it:
         gsm8k  the number after "####", or the whole cell if it is a bare number ("72", 72,
                "1,000", "-2.5")
-        math   the last \boxed{} of the cell if it has one, else the whole cell; graded by
-               \boxed{} equivalence
+        math   the last \boxed{} of the cell if it has one (its last boxes where they form one
+               list), else the whole cell; graded by \boxed{} equivalence
         exact  the stripped cell; a completion is right if, stripped, it is that string
     reward         a user's function(completion: str, row: dict) -> float replaces the verifier's
                    0/1: the row holds every column, so a reward can use metadata. common.rewards

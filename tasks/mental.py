@@ -6,7 +6,7 @@ hub and no internet.
 Why this task: a small chat model (SmolLM2-135M-Instruct) has signal here and almost none on
 GSM8K. It samples the right sum now and then, rambles, and never writes GSM8K's "#### 12" even
 when asked. RL learns only from the samples a model already draws right, so the task must sit
-where the model is sometimes right: on these, one sample in seven at temperature 1
+where the model is sometimes right: on these, about one sample in six at temperature 1
 (docs/smollm2.md, "The task, chosen from what the model can already do").
 
 The verifier: the reply's last number, read as an exact rational, must equal the answer
