@@ -220,8 +220,8 @@ PRESETS = dict(
               lr=3e-4, lora_lr=1e-3, eval_examples=200, eval_samples=8),
     # docs/smollm2.md: SmolLM2-135M-Instruct (scripts/convert_gguf.py makes it
     # offline) on a CPU; 8 x 8 samples of 64 tokens a step, lr 3e-5 (1e-5 learned 2x slower);
-    # fp32: bf16 (with --rollout-correction=tis) ran the whole preset 0.78-1.47x as fast on a 2-core
-    # CPU with bf16 units, not the 2x of its matmuls (benchmarks.md)
+    # fp32: bf16 (with --rollout-correction=tis) ran the whole preset 0.78-1.88x as fast on a 2-core
+    # CPU with bf16 units, as uneven as its replies' length; one seed learned less (benchmarks.md)
     smollm2=dict(task="mental", model="models/smollm2-135m", out_dir="out/smollm2",
                  device_type="cpu", dtype="fp32", examples_per_step=8, num_samples=8,
                  max_new_tokens=64, tool="none", num_steps=20, device_batch_size=16, lr=3e-5,

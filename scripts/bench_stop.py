@@ -4,10 +4,10 @@ How long a run takes to stop:
 
 Starts `python -m chat_rl <flags>` into a fresh --out-dir, sends the signal --after seconds after
 the first console line that starts with --line, and prints the seconds from the signal to the
-process's exit, its exit status, the checkpoints it left and its last line. After "step 0/" comes
+process's exit, its exit status, the checkpoints it left and its last lines. After "step 0/" comes
 step 1: its eval with --eval-every=1, else its rollout; after "chat_rl: task=", the start line,
-comes the eval at step 0 (nothing finished yet, so nothing to save). The README quotes what it
-measured.
+comes the eval at step 0 (nothing finished yet, so nothing to save). docs/runs.md and
+docs/benchmarks.md quote what it measured.
 """
 
 import argparse

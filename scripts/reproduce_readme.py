@@ -7,7 +7,7 @@ The README's tables, rerun and printed as the README shows them:
     python -m scripts.reproduce_readme --out=DIR --print
     # docs/benchmarks.md's LoRA table: 3 seeds x full, rank 1, 16
     python -m scripts.reproduce_readme --lora
-    # the real model's tables: 3 seeds and LoRA, ~40 min each
+    # the real model's tables: 3 seeds and LoRA, 4 runs of ~10-16 min (~50 min in all)
     python -m scripts.reproduce_readme --smollm2
 
 Each row is `python -m chat_rl --preset=demo` (--preset=smollm2 with --smollm2) with the flags
