@@ -11,7 +11,9 @@ or within the annotation's printed precision)?
 Prints the agreement and every annotation it misses.
 """
 
+import argparse
 import json
+import os
 import re
 import sys
 from fractions import Fraction
@@ -62,8 +64,16 @@ def main(paths):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("paths", nargs="*", help="GSM8K release files; none: through `datasets`")
+    paths = parser.parse_args().paths
+    for path in paths:
+        if not os.path.isfile(path):
+            sys.exit(f"check_calculator: no such file {path!r}")
     try:
-        main(sys.argv[1:])
+        main(paths)
     except RuntimeError as e:
         # GSM8K neither on the hub nor in the cache: one line, and the way round it
         sys.exit(

@@ -3,12 +3,16 @@ always fast."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 from fractions import Fraction
 
 import pytest
 
 from calculator import calculate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gsm8k_annotations.txt")
 
@@ -141,3 +145,13 @@ def test_check_calculator_counts_agreement_over_a_release_file(tmp_path, capsys)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("calculator agrees with 2 of 4 GSM8K annotations")
     assert out[1:] == ["  <<560//10=56>>: calculate gives None", "  <<2*3=7>>: calculate gives 6"]
+
+
+def test_check_calculator_answers_help_and_a_missing_file_in_one_line(tmp_path):
+    run = [sys.executable, "-m", "scripts.check_calculator"]
+    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, cwd=REPO)
+    assert shown.returncode == 0 and "GSM8K's own annotations" in shown.stdout
+    missing = str(tmp_path / "train.jsonl")
+    refused = subprocess.run([*run, missing], capture_output=True, text=True, cwd=REPO)
+    assert refused.returncode == 1
+    assert refused.stderr.splitlines() == [f"check_calculator: no such file {missing!r}"]
