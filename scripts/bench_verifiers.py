@@ -9,8 +9,8 @@ worker is killed for running past its deadline). tests/ reuse adversarial_cases(
 the same inputs are bounded and raise nothing, without timing them.
 """
 
+import argparse
 import random
-import sys
 import time
 
 from tasks import gsm8k, mathtask
@@ -106,5 +106,8 @@ def main(repeat=3):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a.startswith("--repeat=")]
-    main(int(args[0].split("=")[1]) if args else 3)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="timings of each input")
+    main(parser.parse_args().repeat)

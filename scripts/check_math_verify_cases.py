@@ -14,6 +14,7 @@ BY_OUR_RULES with the rule, is reported but accepted. The run prints every disag
 totals; it exits 1 if there is a false pass or an unaccepted false fail. --all prints every case.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -70,4 +71,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--all", action="store_true", help="show every case, not only misses")
+    sys.exit(main(["--all"] if parser.parse_args().all else []))

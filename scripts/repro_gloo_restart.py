@@ -12,6 +12,7 @@ over a PrefixStore named after TORCHELASTIC_RESTART_COUNT finishes every time.
 Prints one row per variant.
 """
 
+import argparse
 import os
 import signal
 import subprocess
@@ -64,5 +65,8 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[sys.argv.index("--worker") + 1] == "1")
     else:
-        args = [a for a in sys.argv[1:] if a.startswith("--tries=")]
-        main(int(args[0].split("=")[1]) if args else 6)
+        parser = argparse.ArgumentParser(
+            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        parser.add_argument("--tries", type=int, default=6, help="launches of each variant")
+        main(parser.parse_args().tries)

@@ -489,3 +489,28 @@ def test_the_torch_floor_is_what_fsdp_calls_and_requirements_say():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(repo, "requirements.txt")) as f:
         assert "torch>=2.8\n" in f.read()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script_text(name):
+    with open(os.path.join(REPO, "scripts", name)) as f:
+        return f.read()
+
+
+# the scripts that run as commands (the rest are pieces they import)
+COMMANDS = sorted(
+    name[:-3]
+    for name in os.listdir(os.path.join(REPO, "scripts"))
+    if name.endswith(".py") and '__name__ == "__main__"' in script_text(name)
+)
+
+
+@pytest.mark.parametrize("script", COMMANDS)
+def test_every_script_answers_help_and_runs_nothing(script):
+    command = [sys.executable, "-m", f"scripts.{script}", "--help"]
+    shown = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    first_line = re.search(r'"""\s*(.+)', script_text(f"{script}.py")).group(1).strip()
+    assert shown.returncode == 0, shown.stderr[-300:]
+    assert "usage:" in shown.stdout or first_line in shown.stdout, shown.stdout[:300]
