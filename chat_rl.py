@@ -95,8 +95,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 # torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several
 # times over (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set it before
@@ -105,21 +103,13 @@ import torch  # noqa: E402
 from tqdm import tqdm
 
 from engine import generate_reference
-from fast.logprobs import (
-    LOGPROBS,
-    Guess,
-    RolloutLogprobs,
-    fast_logprobs,
-    make_batch,
-    micro_batches,
-    plain_logprobs,
-    sampled_tokens,
-)
+from fast.logprobs import LOGPROBS, RolloutLogprobs, make_batch, plain_logprobs, sampled_tokens
 from plumbing import checkpoint, fsdp, metrics, refill
 from plumbing.data import derive_seed, problems_for_step
 from plumbing.distributed import all_reduce_sum, sync_gradients
 from plumbing.evaluation import eval_step
 from plumbing.flags import RunError, run
+from plumbing.passes import backward_passes
 from plumbing.start import start
 from plumbing.stop import StopFlag
 from tasks.common import conversation, rewards as reward_terms
@@ -302,8 +292,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 #   4  compute_advantages(...)            step_advantages(): the run's one call, --advantage's kind
 #   5  N = (targets >= 0).sum()           normaliser(): a row's N_i, every rank's tokens summed
 #      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
-#                                         passes (micro-batches of the kept rows, logp from
-#                                         fast_logprobs: tests/test_fast_logprobs.py)
+#                                         passes (plumbing/passes.py: micro-batches of the kept
+#                                         rows, logp from fast_logprobs)
 #   6  lr, optimizer_step(...)            train_step()'s lr, sync_gradients() (the sum over ranks)
 #                                         before the same optimizer_step()
 # At the default objective flags, in fp32, the two compute the same numbers
@@ -528,92 +518,26 @@ def normaliser(tokens, kept, loss_norm, device):
     return N, kept_tokens
 
 
-def policy_gradient_backward(model, sequences, masks, advantages, *,
-                             # the loss: step 5's L over the step's rows, all ranks' together
-                             num_samples, loss_norm, temperature=1.0, options=OFF, reference=None,
-                             sampler_logp=None,
-                             # how it is computed: passes of at most so many rows and tokens
-                             device="cpu", autocast=nullcontext(), device_batch_size=8,
-                             device_batch_tokens=math.inf, logprobs=fast_logprobs, vocab_size=None,
-                             # kept across --ppo-epochs: rows' log-probs, stats, the sampler's gap
-                             saved=None, stats=None, gaps=None):  # fmt: skip
+def policy_gradient_backward(model, sequences, masks, advantages, *, num_samples, loss_norm,
+                             temperature=1.0, options=OFF, device="cpu", **how):  # fmt: skip
     """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
     share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
-    on all ranks, the shares sum to L however the step is split. Here objective()'s batch is built,
-    a micro-batch's rows at a time. Without micro-batches, the fast path and the options, it is
-    plain_step's step-5 lines, with each row's N_i from normaliser() for N (the same number at the
-    default, all_tokens) and an advantage per token multiplying logp as it is, not [:, None].
-    advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at least
-    the longest row's length - 1; each pass cuts it to its own width: row_advantages); options:
-    OFF's flags; reference: opens a block yielding the frozen start (--kl-beta); sampler_logp: each
-    row's log-probs as the engine drew it (Samples.logprobs; None: no gap, no correction); saved:
-    rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list the first epoch's
-    passes append their metrics.sampler_gap to."""
+    on all ranks, the shares sum to L however the step is split. plain_step's step-5 lines, with
+    each row's N_i from normaliser() for N (the same number at the default, all_tokens), the rows
+    without gradient left out, and the rest a micro-batch at a time: plumbing/passes.py, which
+    builds each pass's objective() batch (`how`: its keywords, the passes' sizes, autocast, the
+    fast log-probs, the reference, the sampler's log-probs, what --ppo-epochs keeps).
+    advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows, an
+    advantage per token multiplying logp as it is, not [:, None]; options: OFF's flags."""
     tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
     if kept_tokens == 0:  # no kept row on any rank: nothing carries gradient
         return torch.zeros((), device=device), 0
-    # a row without gradient would add 0, so it gets no pass; the kept rows go in passes of at
-    # most device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
-    batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
-                            device_batch_size, device_batch_tokens)  # fmt: skip
-    fsdp.match_passes(model, len(batches), logprobs, device)  # --fsdp: equal passes, or a hang
-    saved, stats = saved or RolloutLogprobs(), {} if stats is None else stats
-    # the fast path's guess of d loss / d logp, asked of objective() itself (fast/logprobs.Guess,
-    # its first paragraph: what an edit of objective() needs to know of it)
-    guess, loss_sum = Guess(objective), torch.zeros((), device=device)
-    # one autocast block over every pass: each weight is cast to bf16 once for all of them
-    # (autocast keeps its casts until its outermost block ends), not once a pass
-    with autocast:
-        for rows in batches:
-            inputs, targets = make_batch(
-                [sequences[i] for i in rows], [masks[i] for i in rows], device
-            )
-            batch = SimpleNamespace(
-                **options, sampled=targets >= 0, normaliser=N[rows].to(device),
-                advantages=row_advantages(advantages, rows, targets, device),
-                old_logp=saved.get("old_logp", rows), ref_logp=saved.get("ref_logp", rows),
-                sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip
-            if options["kl_beta"] > 0 and batch.ref_logp is None:  # once a row, no gradient
-                with torch.no_grad(), reference() as frozen:
-                    batch.ref_logp = logprobs(
-                        frozen, inputs, targets, temperature, vocab_size=vocab_size
-                    )
-                saved.put("ref_logp", rows, batch.ref_logp, sequences)
-            logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
-            # the weights that sampled the rows: how far the sampler's numbers are from these
-            if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
-                gaps.append(
-                    metrics.sampler_gap(
-                        logp, batch.sampler_logp, batch.sampled, options["rollout_cap"]
-                    )
-                )
-            loss, batch_stats = objective(logp, batch)
-            with torch.autocast(torch.device(device).type, enabled=False):  # as outside it
-                loss.backward()
-            loss_sum += loss.detach()
-            if options["ppo_epochs"] > 1 and batch.old_logp is None:  # the sampling policy's
-                saved.put("old_logp", rows, logp, sequences)
-            for name, value in batch_stats.items():
-                stats[name] = stats.get(name, 0.0) + value
-    return loss_sum, int(kept_tokens)
-
-
-def row_advantages(advantages, rows, targets, device):
-    """The pass's advantages: (B,) per row, or (B, T) per token, cut to the width of its targets
-    (make_batch's layout: its longest row, no wider)."""
-    chosen = advantages[rows]
-    return (chosen if chosen.dim() == 1 else chosen[:, : targets.size(1)]).to(device)
-
-
-def token_values(values, rows, device):
-    """(B, T) of the rows' per-token values (lists aligned with their sequences), laid out as
-    make_batch lays out targets: token t + 1 at t, 0-padded; None without values."""
-    if values is None or any(values[i] is None for i in rows):
-        return None
-    rows = [torch.tensor(values[i][1:], dtype=torch.float32) for i in rows]
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
+    loss = backward_passes(objective, model, sequences, masks, advantages, kept, N,
+                           num_samples=num_samples, temperature=temperature, options=options,
+                           device=device, **how)  # fmt: skip
+    return loss, int(kept_tokens)
 
 
 def without_truncated(masks, truncated):

@@ -376,7 +376,7 @@ class Guess:
       ignores it: autograd alone), the check after an edit (tests/test_objective_options.py
       holds the options' gradients on both paths).
 
-    fast_logprobs' loss_grad through one call of chat_rl.policy_gradient_backward, from the
+    fast_logprobs' loss_grad through one call of plumbing/passes.backward_passes, from the
     objective itself: autograd's gradient of objective(x, batch) at a stand-in x for the log-probs
     about to be computed (the sampling policy's, batch.old_logp, where the batch has them; else
     zeros). For an objective linear in logp, chat_rl's default, that is its gradient at every x,
@@ -416,7 +416,7 @@ class Guess:
 
     def logprobs(self, logprobs, model, inputs, targets, temperature, batch, vocab_size=None):
         """logprobs(model, inputs, targets, ...) told this guess for the batch, and watched for a
-        miss: the log-probs of a pass of chat_rl.policy_gradient_backward."""
+        miss: the log-probs of a pass of plumbing/passes.backward_passes."""
         loss_grad = self(batch)
         logp = logprobs(
             model, inputs, targets, temperature, loss_grad=loss_grad, vocab_size=vocab_size

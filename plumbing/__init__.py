@@ -1,6 +1,7 @@
 """What a run needs that is not RL: flags.py (the command line and its checks), distributed.py
 and fsdp.py (the ranks, their collectives, sharding), checkpoint.py (saving, loading, resuming),
-metrics.py (what a run reports), memory.py (what a GPU run will hold, planned from its config).
+metrics.py (what a run reports), memory.py (what a GPU run will hold, planned from its config),
+passes.py (the loss's micro-batches: step 5 a pass at a time).
 
 The torch this needs is checked here, before any module of the package is imported: distributed.py
 and fsdp.py import FSDP2 (torch.distributed.fsdp.fully_shard, public from torch 2.6) at their top,

@@ -31,7 +31,7 @@ import torch
 import chat_rl
 from engine import Engine
 from fast import packed_linear
-from fast.logprobs import plain_logprobs
+from fast.logprobs import fast_logprobs, plain_logprobs
 from plumbing import flags, start
 from policy.gpt import GPT, GPTConfig
 from policy.tokenizer import ByteTokenizer
@@ -218,7 +218,7 @@ def step_parts(model, n_prompts, samples, new_tokens):
         )
 
         # the loss's passes, clipping and an AdamW step, as chat_rl.train_step runs them
-        def update(logprobs=chat_rl.fast_logprobs):
+        def update(logprobs=fast_logprobs):
             model.zero_grad(set_to_none=True)
             loss, kept_tokens = chat_rl.policy_gradient_backward(
                 model,
@@ -278,7 +278,7 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
       rollout: Engine.generate, no stop token, so every completion is new_tokens long;
       log-probs: the loss's training forward (fast_logprobs, which makes the head's gradients in
         the same pass);
-      backward: the rest of policy_gradient_backward, its loss.backward() through the layers;
+      backward: the rest of policy_gradient_backward's passes, loss.backward() through the layers;
       optimizer: optimizer_step, clipping and AdamW.
     The parameters that require a gradient train (a LoRA model's: its adapters). The verifier is a
     coin flip on each completion's tokens, so nearly every group trains. Returns the seconds, the
@@ -293,7 +293,7 @@ def step_breakdown(model, prompts, samples, new_tokens, tries=2, lr=1e-6):
 
     def timed_logprobs(*args, **kwargs):
         t0 = time.perf_counter()
-        logp = chat_rl.fast_logprobs(*args, **kwargs)
+        logp = fast_logprobs(*args, **kwargs)
         forward_seconds.append(time.perf_counter() - t0)
         return logp
 

@@ -148,9 +148,9 @@ def check_gap(s):
     training pass's of the same rows, in bf16 as a run trains: the gap every train row logs
     (mismatch_*), and the share of tokens a --rollout-cap of 2 would act on. A random model's
     distributions are flatter than a trained one's: a real model's gap is the one to watch."""
-    import chat_rl  # the loss's own functions
     from fast.logprobs import fast_logprobs, make_batch
     from plumbing import metrics
+    from plumbing.passes import token_values  # the loss's own layout of the sampler's numbers
 
     model = s.model()
     vocab = model.config.vocab_size
@@ -161,7 +161,7 @@ def check_gap(s):
         inputs, targets = make_batch(out.sequences, out.masks, s.device)
         trainer = fast_logprobs(model, inputs, targets, 1.0, vocab_size=vocab)
     rows = range(len(out.sequences))
-    sampler = chat_rl.token_values(out.logprobs, rows, s.device)
+    sampler = token_values(out.logprobs, rows, s.device)
     gap = metrics.sampler_gap(trainer, sampler, targets >= 0, cap=2.0)
     row = metrics.gap_row([gap], int((targets >= 0).sum()), s.device)
     note = (

@@ -19,7 +19,7 @@ import chat_rl
 import test_hf_checkpoints as hf_ckpt  # a module object, so pytest does not collect its tests twice
 import test_resume
 from engine import Engine, generate_reference
-from fast.logprobs import plain_logprobs
+from fast.logprobs import fast_logprobs, plain_logprobs
 from plumbing import checkpoint, flags, start
 from plumbing.flags import ConfigError
 from policy import lora
@@ -80,7 +80,7 @@ def test_with_b_zero_the_model_is_the_base_bit_for_bit(tmp_path, family):
 def test_only_the_adapters_get_gradients_the_same_on_the_fast_and_the_plain_path(tmp_path, family):
     path, _ = base_folder(tmp_path, family)
     grads = []
-    for logprobs in (chat_rl.fast_logprobs, plain_logprobs):
+    for logprobs in (fast_logprobs, plain_logprobs):
         model = with_trained_adapters(GPT.from_pretrained(path))
         seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 9, 4, 4, 4, 4, 4], [9, 9, 5]]
         masks = [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1], [0, 0, 1]]

@@ -377,7 +377,7 @@ def test_train_hands_the_rollout_temperature_and_the_normaliser_to_the_loss(tmp_
 
     def spy(*args, **kwargs):
         given = inspect.signature(real).bind(*args, **kwargs).arguments
-        seen.append((given["loss_norm"], given["temperature"], given["vocab_size"]))
+        seen.append((given["loss_norm"], given["temperature"], given["how"]["vocab_size"]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(chat_rl, "policy_gradient_backward", spy)

@@ -34,12 +34,12 @@ from torch.distributed.tensor import DTensor
 import chat_rl
 import test_objective as base  # the objective's own tests: their model, rollouts and formulas
 from fast import logprobs as fast
-from fast.logprobs import plain_logprobs
+from fast.logprobs import fast_logprobs, plain_logprobs
 from plumbing import checkpoint, flags, fsdp, metrics
 from policy import lora
 
 T, NUM_SAMPLES, NORMS = base.T, base.NUM_SAMPLES, base.NORMS
-PATHS = {"plain": plain_logprobs, "fast": chat_rl.fast_logprobs}
+PATHS = {"plain": plain_logprobs, "fast": fast_logprobs}
 BETA, EPS_LOW, EPS_HIGH = 0.5, 0.1, 0.15
 
 
@@ -571,7 +571,7 @@ def _worker(rank, world, init_file, out_dir):
             )
         else:
             sampler = fsdp.prepare(base.small_model(), cpu, sharded, False)
-            two_epochs(sampler, policy, *rows, "all_tokens", chat_rl.fast_logprobs, batch_rows=2)
+            two_epochs(sampler, policy, *rows, "all_tokens", fast_logprobs, batch_rows=2)
         chat_rl.sync_gradients(policy)
         out[case] = {
             n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()

@@ -22,6 +22,7 @@ from fast.logprobs import fast_logprobs, make_batch, plain_logprobs
 from fast.sampling import sample_next_token
 from plumbing import checkpoint, flags, metrics
 from plumbing.checkpoint import load_policy
+from plumbing.passes import token_values
 from tasks import arith
 from tasks.common import conversation
 
@@ -48,7 +49,7 @@ def step_with_mismatch():
     inputs, targets = make_batch(sequences, masks, "cpu")
     with torch.no_grad():
         p = base.direct_logp(base.small_model(), inputs, targets, T)
-    q = chat_rl.token_values(q_rows, range(len(sequences)), "cpu")
+    q = token_values(q_rows, range(len(sequences)), "cpu")
     log_ratio = (p - q)[targets >= 0]
     cap = float(torch.exp(log_ratio.abs().median()))
     assert 1.0005 < cap < 1.5, cap  # bf16's rounding: small ratios, yet not 1
@@ -210,7 +211,7 @@ def gap_of(model, samples):
     inputs, targets = make_batch(samples.sequences, samples.masks, "cpu")
     with torch.no_grad():
         p = fast_logprobs(model, inputs, targets, 1.0)
-    q = chat_rl.token_values(samples.logprobs, rows, "cpu")
+    q = token_values(samples.logprobs, rows, "cpu")
     gap = metrics.sampler_gap(p, q, targets >= 0, cap=2.0)
     return metrics.gap_row([gap], int((targets >= 0).sum()), torch.device("cpu"))
 
@@ -351,7 +352,7 @@ def test_on_two_ranks_the_correction_and_the_gap_are_one_process_over_every_row(
     inputs, targets = make_batch(sequences, masks, "cpu")
     with torch.no_grad():
         p = base.direct_logp(base.small_model(), inputs, targets, T)
-    kept, q = base.kept_rows(advantages), chat_rl.token_values(q_rows, range(len(sequences)), "cpu")
+    kept, q = base.kept_rows(advantages), token_values(q_rows, range(len(sequences)), "cpu")
     one = metrics.sampler_gap(p[kept], q[kept], (targets >= 0)[kept], CAP)
     for key, value in metrics.gap_row([one], 1, torch.device("cpu")).items():
         assert results[0]["gap"][key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
