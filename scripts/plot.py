@@ -14,7 +14,7 @@ import os
 import sys
 
 USAGE = "usage: python -m scripts.plot <out_dir> [<out_dir> ...] [--out=file.png]"
-# steps in the running mean of the train reward: one step's reward (16 problems) is noisy
+# steps in the running mean of the train reward: one step's (16 problems; the demo's 12) is noisy
 SMOOTH = 20
 
 
