@@ -18,7 +18,7 @@ longest row's length - 1; the step list after it says each line whole):
     reward     r (B,): 1 if the verifier finds the right answer, else 0
     advantage  A = r - the mean of r over the row's group (B,)
     loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off the sampled tokens; N the
-               step's sampled tokens, all ranks
+               step's sampled tokens, all ranks (the train row's sampled_tokens)
     update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
                1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if the loss or the
                gradient is not finite or no group has signal
@@ -56,8 +56,8 @@ One optimizer step at the default flags, [the plain piece that holds it]:
        of a row (predicted from token t), 0 off S_i; A is (rows,).
      - N is one number: every sampled token of the step on all ranks, a unanimous group's, a
        cut-off completion's and the stop token included; not the prompt, the calculator's tokens
-       or padding. Worked by hand in tests/test_rl_math.py's test_loss_equals_hand_computed_value:
-       two groups of two, N = 7.
+       or padding; logged as sampled_tokens. Worked by hand in tests/test_rl_math.py's
+       test_loss_equals_hand_computed_value: two groups of two, N = 7.
   6. Update [plain_step's step-6 lines, optimizer_step()].
      - The gradients, zeroed before the step's backward, are summed over ranks
        (plumbing/distributed.sync_gradients; not averaged: N counts every rank's tokens).
@@ -715,6 +715,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
     row = metrics.step_metrics(
         step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
+        sampled_tokens=sum(map(sampled_tokens, masks)),
         grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
         state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
         **metrics.per_token(stats, kept_tokens * len(updates), device),

@@ -8,8 +8,9 @@ problem samples alike whatever else shares its batch. The token is where u[b, t]
 row's cumulative probabilities, walked in vocabulary order (inverse CDF: one softmax pass, not
 a random number per vocabulary entry as the Gumbel-max trick needs). So a row's token depends
 only on its own logits and its own number, and the same seed gives the same samples. (Logits
-can still move in the last bit with the batch's size or the cache, as any batched matmul's do;
-where that crosses the boundary between two tokens, the draw differs.)
+can still move in the last bit with the batch's size or the cache, as any batched matmul's do,
+and the Engine sums the probabilities in blocks; where that crosses the boundary between two
+tokens, the draw differs.)
 
 generate_reference samples a batch the simplest correct way: one loop over token positions t,
 the model rerun over every running row's whole sequence at each, each row's calculator a small
@@ -97,7 +98,8 @@ def generate_reference(
 ):
     """
     The plain sampler, and the reference the tests hold the Engine to: for the same arguments
-    (tool given to the Engine's constructor), the same Samples, token for token. No cache: at
+    (tool given to the Engine's constructor), the same Samples, token for token wherever
+    batching's rounding moves no logit across a token's boundary (above). No cache: at
     each position t the model runs over every running row's whole sequence, right-padded (under
     causal attention, padding after a row's last real token changes nothing there), and row b
     draws its token t with u[b, t]. A row's Calculator (below; a first read skips it) may write

@@ -1,6 +1,7 @@
 """
-The Engine's sampler: engine.sample_reference's draws, token for token, without its full-row
-cumulative sum (a slow serial pass over the vocabulary) and within a bounded working set.
+The Engine's sampler: engine.sample_reference's draws (the same token but where the sums' rounding
+moves u across a token's boundary), without its full-row cumulative sum (a slow serial pass over
+the vocabulary) and within a bounded working set.
 tests/test_reference_sampler.py holds it to the reference; tests/test_sampler.py checks its draws
 against softmax(logits / temperature).
 """

@@ -27,14 +27,16 @@ MEANS = {
 }
 
 
-def step_metrics(step, out, t_rollout, device, world, **values):
+def step_metrics(step, out, t_rollout, device, world, sampled_tokens=0, **values):
     """One train row: the rollout's means over all ranks (summed by name, then divided by the number
-    of completions), the rollout tokens/s of all ranks together, and the step's own values."""
+    of completions), the rollout tokens/s of all ranks together, and the step's own values.
+    sampled_tokens: the tokens this rank's training rows sampled, summed over ranks into the row."""
     local = {name: float(sum(out[key])) for name, key in MEANS.items()}
     local.update(
         completions=len(out["total"]),
         rollout_s=t_rollout,
         reward_errors=sum(e is not None for e in out["reward_errors"]),
+        sampled_tokens=sampled_tokens,
     )
     names = sorted(local)  # every rank packs the same names in the same order
     sums = dict(
@@ -46,6 +48,8 @@ def step_metrics(step, out, t_rollout, device, world, **values):
         **values,
         # completions whose reward raised or was not a number: scored 0
         "reward_errors": int(sums["reward_errors"]),
+        # the loss's N at the default --loss-norm (all_tokens); kept_tokens counts fewer
+        "sampled_tokens": int(sums["sampled_tokens"]),
         # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
         "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world),
     }

@@ -103,6 +103,8 @@ def run_two_ranks(tmp_path, dead_rank=-1):
 
 
 def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
+    # at --loss-norm=kept_tokens; every normaliser, the default all_tokens among them:
+    # test_objective.py's test_two_ranks_sum_to_one_process_over_every_row
     grads, _, tokens = run_two_ranks(tmp_path)
     model = model_for_test()
     union = [groups_for(r, 0) for r in range(2)]
@@ -122,7 +124,7 @@ def test_two_rank_gradient_equals_one_process_over_the_union(tmp_path):
     assert tokens == [
         union_tokens,
         union_tokens,
-    ]  # every rank reports the step's sampled tokens, all ranks together
+    ]  # every rank reports the kept rows' sampled tokens, all ranks together
     for name, p in model.named_parameters():
         for r in range(2):
             assert torch.allclose(grads[r][name], p.grad, atol=1e-6, rtol=0), name

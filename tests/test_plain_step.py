@@ -9,6 +9,7 @@ import torch
 
 import chat_rl
 from calculator import calculate
+from fast.logprobs import make_batch
 from plumbing import checkpoint, flags, start
 from tasks import arith
 
@@ -77,6 +78,8 @@ def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, 
     assert (groups.amax(1) > groups.amin(1)).any(), "no group with signal: no gradient to compare"
     assert loss != 0 and loss.item() == pytest.approx(train["loss"], rel=1e-5)
     assert train["row"]["loss"] == pytest.approx(loss.item(), abs=1e-6)  # logged: L, 6 decimals
+    _, targets = make_batch(train["out"]["sequences"], train["out"]["masks"], "cpu")
+    assert train["row"]["sampled_tokens"] == int((targets >= 0).sum())  # logged: plain_step's N
     clear = sum(int((g.abs() > 1e-5).sum()) for g in train["grads"].values())
     assert clear > sum(g.numel() for g in train["grads"].values()) / 4  # a quarter at least
     for name, p in model.named_parameters():
