@@ -95,6 +95,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 # torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several
 # times over (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set it before
@@ -317,7 +318,8 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     random stream seeded by seed and its id (its place in the step or the eval set): ranks and
     batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
     only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train_step(),
-    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each.
+    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each, a reward
+    term's through training_rewards() alone (the evals leave it off).
     The dict's lists, one entry per completion:
       sequences, masks   prompt + reply token ids; mask 1 where the policy sampled the token, 0 on
                          the prompt and the calculator's results
@@ -368,6 +370,13 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
             not completion_ids or completion_ids[-1] not in tokenizer.stop_tokens
         )
     return out
+
+
+def training_rewards(cfg):
+    """rollout()'s reward terms past the answer, which training samples with (train_step() and
+    each --refill round, through one partial of rollout) and the evals do not (they grade the
+    answer alone). A term of your own: its flag here, once, and its argument in rollout()."""
+    return dict(format_weight=cfg.format_weight, overlong_buffer=cfg.overlong_buffer)
 
 
 def overlong_penalty(length, max_new_tokens, buffer):
@@ -650,15 +659,16 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
     # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
     problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
+    # the step's rollouts and each --refill round's score with the reward's terms past the answer
+    sample = partial(rollout, **training_rewards(cfg))
     # autocast: --dtype's (bf16 or none); gathered: --fsdp's whole weights for the rollout;
     # abandonable: a stop signal leaves the rollout at once. Without --fsdp and a signal the last
     # two do nothing, and none of them changes a number in fp32
     with autocast, fsdp.gathered(model), stop.abandonable(model):
-        out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
-                      cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
-                      cfg.format_weight, cfg.generate_batch_rows, problem_ids=problem_ids,
-                      system_prompt=cfg.system_prompt,
-                      overlong_buffer=cfg.overlong_buffer)  # fmt: skip
+        out = sample(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
+                     cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
+                     generate_batch_rows=cfg.generate_batch_rows, problem_ids=problem_ids,
+                     system_prompt=cfg.system_prompt)  # fmt: skip
     t_rollout = time.time() - t0
     if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
         return None, None
@@ -669,7 +679,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     advantages = step_advantages(out, cfg)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
-        refills = refill.refill_step(rollout, step_advantages, setup, cfg, step, out, advantages,
+        refills = refill.refill_step(sample, step_advantages, setup, cfg, step, out, advantages,
                                      rank, world, device, stop)  # fmt: skip
         if refills is None:  # a stop came during a round, on some rank
             return None, None

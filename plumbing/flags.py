@@ -90,8 +90,9 @@ def run(train, hyperparameters, presets, doc, argv):
 
 
 def parse_config(argv, hyperparameters, presets=None, doc=""):
-    """Flags over a preset's values over the defaults; unknown names and bad values raise
-    ConfigError."""
+    """Flags over a preset's values over the defaults; unknown names and values of the wrong type
+    raise ConfigError. A value's range and the flags' combinations are check_config's (run() calls
+    it next)."""
     presets = presets or {}
     if "--help" in argv or "-h" in argv:
         try:

@@ -3,7 +3,8 @@
 has advantage 0 and teaches nothing, so while too few of a step's groups carry signal, more rounds
 of problems are sampled and scored, and the step trains on its first examples_per_step groups with
 signal. chat_rl.train_step calls refill_step after the step's own rollout and advantages; it hands
-in chat_rl's rollout and step_advantages, which each round's problems go through as the step's did.
+in chat_rl's rollout (with the reward's training terms bound: chat_rl.training_rewards) and
+step_advantages, which each round's problems go through as the step's did.
 """
 
 import torch
@@ -93,8 +94,7 @@ def refill_round(rollout, setup, cfg, step, r, rank, world, device, stop):
     with stop.abandonable(setup.model):
         out = rollout(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
                       cfg.temperature, cfg.top_k,
-                      derive_seed(cfg.seed, "rollout", step, "refill", r), cfg.format_weight,
-                      cfg.generate_batch_rows, problem_ids=problem_ids,
-                      system_prompt=cfg.system_prompt,
-                      overlong_buffer=cfg.overlong_buffer)  # fmt: skip
+                      derive_seed(cfg.seed, "rollout", step, "refill", r),
+                      generate_batch_rows=cfg.generate_batch_rows, problem_ids=problem_ids,
+                      system_prompt=cfg.system_prompt)  # fmt: skip
     return None if stop.requested(device) else out

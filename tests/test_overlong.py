@@ -2,16 +2,13 @@
 most L - N tokens and falls linearly to -1 at L = --max-new-tokens, written out here and held to
 chat_rl.overlong_penalty and to what chat_rl.rollout adds to each total."""
 
-from types import SimpleNamespace
-
 import pytest
 
 import chat_rl
 from calculator import calculate
 from engine import Engine
 from fast.logprobs import sampled_tokens
-from plumbing import checkpoint, flags, refill
-from plumbing.stop import NEVER
+from plumbing import checkpoint
 from tasks import arith
 
 # 40 tokens, the last 8 the buffer: the demo model's replies at seed 0 land below it, on its
@@ -111,23 +108,25 @@ def tokenizer():
     return checkpoint.load_policy("demo_model", "cpu")[1]
 
 
-def test_a_refill_round_pays_it_too():
+def test_every_training_rollout_pays_it_refill_rounds_too(tmp_path, monkeypatch):
     # --refill's extra rounds are rollouts of their own (plumbing/refill.refill_round): their groups
-    # enter the step's advantages beside the first round's, so they carry the same term
-    model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
-    setup = SimpleNamespace(
-        model=model,
-        engine=Engine(model.eval(), tokenizer, tool=calculate),
-        task=arith,
-        train_rows=arith.load("train", limit=8),
-    )
-    argv = ["--examples-per-step=2", "--num-samples=4", f"--max-new-tokens={BUDGET}",
-            "--overlong-buffer=20"]  # fmt: skip
-    cfg = flags.parse_config(argv, chat_rl.HYPERPARAMETERS)  # the others at their defaults
-    out = refill.refill_round(
-        chat_rl.rollout, setup, cfg, step=0, r=1, rank=0, world=1, device="cpu", stop=NEVER
-    )
-    expected = [penalty_written_out(n, BUDGET, 20) for n in out["tokens"]]
-    assert any(p < 0 for p in expected), out["tokens"]
-    assert out["overlong"] == expected
-    assert out["total"] == [a + p for a, p in zip(out["answer"], expected)]
+    # enter the step's advantages beside the first round's, so they carry the same terms, which
+    # train_step binds to rollout once (chat_rl.training_rewards)
+    outs, rollout = [], chat_rl.rollout
+
+    def recording(*args, **kwargs):
+        outs.append(rollout(*args, **kwargs))
+        return outs[-1]
+
+    monkeypatch.setattr(chat_rl, "rollout", recording)
+    argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
+            "--examples-per-step=2", "--num-samples=2", f"--max-new-tokens={BUDGET}",
+            "--overlong-buffer=20", f"--format-weight={FORMAT_WEIGHT}", "--refill=4"]  # fmt: skip
+    assert chat_rl.main(argv) == 0
+    assert len(outs) > 1, "no refill round: nothing to see"
+    assert any(p < 0 for out in outs[1:] for p in out["overlong"]), "no round paid the term"
+    for out in outs:
+        expected = [penalty_written_out(n, BUDGET, 20) for n in out["tokens"]]
+        assert out["overlong"] == expected
+        weighted = [a + FORMAT_WEIGHT * f for a, f in zip(out["answer"], out["format"])]
+        assert out["total"] == [w + p for w, p in zip(weighted, expected)]

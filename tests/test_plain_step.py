@@ -17,13 +17,14 @@ NUM_SAMPLES, MAX_NEW_TOKENS = 4, 40
 DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its default
 
 
-def first_step_of_train(tmp_path, monkeypatch, *flags):
+def first_step_of_train(tmp_path, *flags):
     """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
     {"problems", "seed", "out": its rollout's arguments and dict, "advantages": what its backward
     received, "loss": L as its update saw it (summed over ranks), "grads": the gradient it stepped
     with (summed over ranks, clipped), "weights": the weights after it, "row": its train row of
     metrics.jsonl}. A test of an advantage of your own runs it with your flag and holds
-    "advantages" to your formula on "out" (tests/test_fork.py does), and what it logs to "row"."""
+    "advantages" to your formula on "out" (tests/test_fork.py does), and what it logs to "row".
+    Its recorders are patched in for the run alone: a test's own monkeypatch stays as it was."""
     seen = {}
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
     backward = chat_rl.policy_gradient_backward
@@ -44,14 +45,14 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
         seen["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         return stepped
 
-    monkeypatch.setattr(chat_rl, "rollout", recording_rollout)
-    monkeypatch.setattr(chat_rl, "optimizer_step", recording_step)
-    monkeypatch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
     argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
             "--examples-per-step=4", f"--num-samples={NUM_SAMPLES}",
             f"--max-new-tokens={MAX_NEW_TOKENS}", "--device-batch-size=5", *flags]  # fmt: skip
-    assert chat_rl.main(argv) == 0
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat_rl, "rollout", recording_rollout)
+        patch.setattr(chat_rl, "optimizer_step", recording_step)
+        patch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
+        assert chat_rl.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (seen["row"],) = [row for row in rows if row.get("split") != "eval"]  # one step, no eval
     return seen
@@ -60,10 +61,9 @@ def first_step_of_train(tmp_path, monkeypatch, *flags):
 # the demo's step 0 has a gradient norm of 0.08: a clip of 0.05 acts on it, the default's 1 not,
 # and 0 is off, as --grad-clip=0 is
 @pytest.mark.parametrize("temperature, grad_clip", [(1.0, 1.0), (1.5, 0.05), (1.0, 0.0)])
-def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, monkeypatch, temperature,
-                                                         grad_clip):  # fmt: skip
+def test_train_takes_the_plain_steps_gradient_and_update(tmp_path, temperature, grad_clip):
     argv = f"--temperature={temperature}", f"--grad-clip={grad_clip}"
-    train = first_step_of_train(tmp_path, monkeypatch, *argv)
+    train = first_step_of_train(tmp_path, *argv)
     model, tokenizer = checkpoint.load_policy("demo_model", "cpu")  # the weights step 0 starts at
     lr = chat_rl.PRESETS["demo"]["lr"]
     optimizer = start.adamw(model.parameters(), lr, DEFAULTS)  # the run's AdamW
