@@ -96,6 +96,7 @@ import os
 import sys
 import time
 from functools import partial
+from inspect import signature
 
 # torch's OpenMP threads busy-wait by default, which beside any other work slows a CPU run several
 # times over (docs/benchmarks.md); OpenMP reads the policy once, as torch loads: set it before
@@ -534,10 +535,12 @@ def policy_gradient_backward(model, sequences, masks, advantages, *, num_samples
     on all ranks, the shares sum to L however the step is split. plain_step's step-5 lines, with
     each row's N_i from normaliser() for N (the same number at the default, all_tokens), the rows
     without gradient left out, and the rest a micro-batch at a time: plumbing/passes.py, which
-    builds each pass's objective() batch (`how`: its keywords, the passes' sizes, autocast, the
-    fast log-probs, the reference, the sampler's log-probs, what --ppo-epochs keeps).
+    builds each pass's objective() batch. `how`: backward_passes' keywords, what the loss reads
+    besides (reference, sampler_logp), how it runs (autocast, device_batch_size,
+    device_batch_tokens, logprobs, vocab_size), what --ppo-epochs keeps (saved, stats, gaps).
     advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows, an
     advantage per token multiplying logp as it is, not [:, None]; options: OFF's flags."""
+    signature(backward_passes).bind_partial(**how)  # a misspelt keyword fails at every step
     tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
     N, kept_tokens = normaliser(tokens, kept, loss_norm, device)
@@ -577,7 +580,8 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (the norm before
     clipping, finite).
     Skipped if the loss or the gradient is not finite, and if no group was kept (a zero gradient,
-    but AdamW's momentum would still move the weights); the lr schedule moves on through it."""
+    but AdamW's momentum would still move the weights); the lr schedule moves on through it, AdamW's
+    own step count (its bias correction's) not."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     max_norm = grad_clip or float("inf")
@@ -645,7 +649,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     a stop came before it, (None, the first error) if the reward failed on every completion.
     Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
         problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)      # 1
-        out = rollout(engine, task, problems, num_samples, max_new_tokens, ...)             # 2-3
+        out = rollout(engine, task, problems, ..., **training_rewards(cfg))                  # 2-3
         advantages = step_advantages(out, cfg)                                              # 4
         policy_gradient_backward(model, out["sequences"], out["masks"], advantages, ...)    # 5
         sync_gradients(model); optimizer_step(model, optimizer, lr, grad_clip, ...)         # 6"""
@@ -659,7 +663,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
     # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
     problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-    # the step's rollouts and each --refill round's score with the reward's terms past the answer
+    # the rollout training samples with: the step's and each --refill round's are scored with the
+    # reward's terms past the answer (training_rewards), the evals' not
     sample = partial(rollout, **training_rewards(cfg))
     # autocast: --dtype's (bf16 or none); gathered: --fsdp's whole weights for the rollout;
     # abandonable: a stop signal leaves the rollout at once. Without --fsdp and a signal the last

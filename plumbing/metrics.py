@@ -27,7 +27,7 @@ MEANS = {
 }
 
 
-def step_metrics(step, out, t_rollout, device, world, sampled_tokens=0, **values):
+def step_metrics(step, out, t_rollout, device, world, *, sampled_tokens, **values):
     """One train row: the rollout's means over all ranks (summed by name, then divided by the number
     of completions), the rollout tokens/s of all ranks together, and the step's own values.
     sampled_tokens: the tokens this rank's training rows sampled, summed over ranks into the row."""
@@ -48,7 +48,7 @@ def step_metrics(step, out, t_rollout, device, world, sampled_tokens=0, **values
         **values,
         # completions whose reward raised or was not a number: scored 0
         "reward_errors": int(sums["reward_errors"]),
-        # the loss's N at the default --loss-norm (all_tokens); kept_tokens counts fewer
+        # the loss's N at the default --loss-norm (all_tokens); kept_tokens, at most as many
         "sampled_tokens": int(sums["sampled_tokens"]),
         # ranks sample side by side: tokens of all ranks over one rank's (the mean) rollout time
         "rollout_tokens_per_s": sums["seq_len"] / (sums["rollout_s"] / world),

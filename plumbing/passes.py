@@ -5,7 +5,7 @@ pass: objective()'s batch built, the policy's log-probs taken (fast/logprobs.py)
 backward. Summed over the passes, that is plain_step's step-5 lines (tests/test_plain_step.py holds
 the run to them). What a pass adds besides, each for an option: the frozen start's log-probs
 (--kl-beta), the sampling policy's kept for the next epoch (--ppo-epochs), the engine's against the
-trainer's (the train row's gap metrics; --rollout-correction's q).
+trainer's log-probs (the train row's gap metrics; --rollout-correction's q).
 """
 
 import math
@@ -18,22 +18,25 @@ from fast.logprobs import Guess, RolloutLogprobs, fast_logprobs, make_batch, mic
 from plumbing import fsdp, metrics
 
 
-def backward_passes(objective, model, sequences, masks, advantages, kept, N, *, num_samples,
-                    temperature, options, device, reference=None, sampler_logp=None,
+def backward_passes(objective, model, sequences, masks, advantages, kept, N_i, *, num_samples,
+                    temperature, options, device,
+                    # what the loss reads besides the policy's log-probs
+                    reference=None, sampler_logp=None,
                     # how: passes of at most so many rows and tokens
                     autocast=nullcontext(), device_batch_size=8, device_batch_tokens=math.inf,
                     logprobs=fast_logprobs, vocab_size=None,
                     # kept across --ppo-epochs: rows' log-probs, stats, the sampler's gap
                     saved=None, stats=None, gaps=None):  # fmt: skip
     """Add to .grad the gradient of objective()'s loss over the kept rows, a pass at a time, and
-    return the loss summed over the passes. kept: (rows,) bool, the rows with gradient; N: (rows,)
-    each row's N_i (chat_rl.normaliser); advantages: (rows,), or (rows, T) per token in make_batch's
-    layout over all the rows (T at least the longest row's length - 1; each pass cuts it to its
-    own width: row_advantages); options: chat_rl.OFF's flags, as given; reference: opens a block
-    yielding the frozen start (--kl-beta); sampler_logp: each row's log-probs as the engine drew
-    it (Samples.logprobs; None: no gap, no correction); logprobs: fast_logprobs or plain_logprobs
-    (--logprobs); saved: rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list
-    the first epoch's passes append their metrics.sampler_gap to."""
+    return the loss summed over the passes. kept: (rows,) bool, the rows with gradient; N_i:
+    (rows,) each row's divisor (chat_rl.normaliser: at the default, N in every entry);
+    advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows (T at
+    least the longest row's length - 1; each pass cuts it to its own width: row_advantages);
+    options: chat_rl.OFF's flags, as given; reference: opens a block yielding the frozen start
+    (--kl-beta); sampler_logp: each row's log-probs as the engine drew it (Samples.logprobs;
+    None: no gap, no correction); logprobs: fast_logprobs or plain_logprobs (--logprobs); saved:
+    rows' log-probs across epochs; stats: objective()'s, summed; gaps: a list the first epoch's
+    passes append their metrics.sampler_gap to."""
     # a row without gradient would add 0, so it gets no pass; the kept rows go in passes of at
     # most device_batch_size rows and device_batch_tokens tokens, in the order the fast path likes
     batches = micro_batches(kept.nonzero()[:, 0].tolist(), sequences, masks, num_samples,
@@ -51,7 +54,7 @@ def backward_passes(objective, model, sequences, masks, advantages, kept, N, *, 
                 [sequences[i] for i in rows], [masks[i] for i in rows], device
             )
             batch = SimpleNamespace(
-                **options, sampled=targets >= 0, normaliser=N[rows].to(device),
+                **options, sampled=targets >= 0, normaliser=N_i[rows].to(device),
                 advantages=row_advantages(advantages, rows, targets, device),
                 old_logp=saved.get("old_logp", rows), ref_logp=saved.get("ref_logp", rows),
                 sampler_logp=token_values(sampler_logp, rows, device))  # fmt: skip

@@ -78,7 +78,7 @@ def loss_and_grad(s, model, sequences, masks, weights, layout, autocast):
     loss_grad = -weights[:, None] * (targets >= 0) if layout == "told the loss" else None
 
     def run():
-        with autocast():  # as policy_gradient_backward calls it
+        with autocast():  # as plumbing/passes.backward_passes calls it
             nll = -logprobs(model, inputs, targets, 1.0, loss_grad=loss_grad)
         (nll * weights[:, None]).sum().backward()
         return nll

@@ -281,6 +281,17 @@ def test_kept_tokens_is_all_tokens_scaled_by_all_over_kept():
     )
 
 
+def test_a_misspelt_keyword_is_refused_on_a_step_without_signal_too():
+    # a step without signal returns before the passes that take the keywords: a fork's typo would
+    # otherwise pass silently until the first step with signal
+    sequences, masks = rollouts(seed=1)
+    unanimous = torch.zeros(len(sequences))
+    with pytest.raises(TypeError, match="device_batch_sise"):
+        chat_rl.policy_gradient_backward(small_model(), sequences, masks, unanimous,
+                                         num_samples=NUM_SAMPLES, loss_norm="all_tokens",
+                                         device_batch_sise=2)  # fmt: skip
+
+
 # ---- two ranks, each with a group that carries signal and a unanimous one ------------------------
 # every normaliser counts both ranks' rows
 def _worker(rank, world, init_file, out_dir):
