@@ -18,7 +18,8 @@ longest row's length - 1; the step list after it says each line whole):
     reward     r (B,): 1 if the verifier finds the right answer, else 0
     advantage  A = r - the mean of r over the row's group (B,)
     loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off the sampled tokens; N the
-               step's sampled tokens, all ranks (the train row's sampled_tokens)
+               step's sampled tokens, all ranks (the train row's sampled_tokens). The run sums it
+               in passes over the groups with signal: T a pass's own, N in each entry of N_i (B,)
     update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
                1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if the loss or the
                gradient is not finite or no group has signal
@@ -247,7 +248,9 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     --grad-clip's (0: off). train_step() computes the same with its fast paths (the Engine's KV
     cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its
     rewards, loss, gradient and updated weights to this one's, in fp32 (no autocast here: under
-    --dtype=bf16 the run's numbers round otherwise)."""
+    --dtype=bf16 the run's numbers round otherwise). The pieces both call (compute_advantages,
+    make_batch, rows_with_gradient, optimizer_step) tests/test_rl_math.py holds to their formulas
+    written out."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
