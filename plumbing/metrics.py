@@ -141,7 +141,8 @@ def peak_memory_gb(device):
 
 def console_line(row, num_steps, last_pass1, eta_s, tool=False):
     """One line a step: pass@1 of the last eval, if there has been one; with the tool on, the share
-    of completions that called it."""
+    of completions that called it; a step that took no update for want of signal says so (its
+    loss and grad_norm read 0 either way)."""
     # last_pass1 is nan before the first eval, or with evals off
     pass1 = f"pass@1 {last_pass1:.3f} | " if math.isfinite(last_pass1) else ""
     return (
@@ -149,7 +150,9 @@ def console_line(row, num_steps, last_pass1, eta_s, tool=False):
         + pass1
         + (f"tool {row['tool_use']:.2f} | " if tool else "")
         + (f"reward errors {row['reward_errors']} | " if row.get("reward_errors") else "")
-        + f"loss {row['loss']:+.4f} | len {row['seq_len']:.0f} | "
+        + f"loss {row['loss']:+.4f} | "
+        + ("no update: no group with signal | " if row.get("kept_tokens") == 0 else "")
+        + f"len {row['seq_len']:.0f} | "
         f"{row['rollout_tokens_per_s']:.0f} tok/s | "
         f"{row['step_time_s']:.1f}s | eta {eta_s / 60:.1f} min"
     )

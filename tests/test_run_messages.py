@@ -78,6 +78,12 @@ def test_the_console_shows_no_pass_at_1_before_any_eval():
     )
 
 
+def test_a_step_without_signal_says_it_took_no_update():
+    row = dict(step=3, reward=0.0, loss=0.0, seq_len=30, rollout_tokens_per_s=1000, step_time_s=1.0)
+    assert "no update: no group with signal" in console_line({**row, "kept_tokens": 0}, 9, 0.5, 60)
+    assert "no update" not in console_line({**row, "kept_tokens": 120}, 9, 0.5, 60)
+
+
 def test_a_stopped_run_says_how_to_continue_it():
     lines = stop_line(15, 40, 0.2, "out/demo").splitlines()
     assert lines == [
