@@ -8,8 +8,8 @@ For the algorithm, read the summary and the step list below, then plain_step() (
 hyperparameters): steps 2-6 at the default flags in under fifty lines of plain torch, calling the
 plain pieces the list names. tests/test_plain_step.py holds the run's rewards, loss, gradient and
 update to it on the demo, one rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches
-against plain_step); several ranks and bf16 have tests of their own (test_objective,
-test_distributed, test_cuda_precision).
+against plain_step), and plain_step on two ranks to itself on one; the run on several ranks and
+in bf16 has tests of its own (test_distributed, test_objective, test_cuda_precision).
 
 In short, one step at the default flags (B rows: num_samples completions of each problem; T: the
 longest row's length - 1; the step list after it says each line whole):
@@ -239,16 +239,19 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 
 # ---- the step, plainly ---------------------------------------------------------------------------
 def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
-               temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0):  # fmt: skip
-    """Steps 2-6 in plain torch, the whole algorithm on one rank at the default flags: sample,
-    score, advantage, loss, backward, update; return (L, the rewards). optimizer: the run's,
-    plumbing/start.adamw (its settings: step 6 above); seed: the step's, derive_seed(--seed,
-    "rollout", step) in the run (each problem's stream is derived from it); step: 0, 1, ... of
-    num_steps; tool: calculator.calculate (--tool's default), or None (--tool=none); grad_clip:
-    --grad-clip's (0: off). train_step() computes the same with its fast paths (the Engine's KV
-    cache, micro-batches, fast log-probs, ranks, options); tests/test_plain_step.py holds its
-    rewards, loss, gradient and updated weights to this one's, in fp32 (no autocast here: under
-    --dtype=bf16 the run's numbers round otherwise). The pieces both call (compute_advantages,
+               temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0,
+               first_id=0):  # fmt: skip
+    """Steps 2-6 in plain torch, the whole algorithm at the default flags, on each rank of a launch
+    (a laptop has one): sample, score, advantage, loss, backward, update; return (L, this rank's
+    rewards). problems: this rank's share of the step's, the first of them the step's first_id-th
+    (rank x len(problems)); optimizer: the run's, plumbing/start.adamw (its settings: step 6
+    above); seed: the step's, derive_seed(--seed, "rollout", step) in the run (each problem's
+    stream is derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate
+    (--tool's default), or None (--tool=none); grad_clip: --grad-clip's (0: off). train_step()
+    computes the same with its fast paths (the Engine's KV cache, micro-batches, fast log-probs,
+    options); tests/test_plain_step.py holds its rewards, loss, gradient and updated weights to
+    this one's, in fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise),
+    and this one on two ranks to itself on one. The pieces both call (compute_advantages,
     make_batch, rows_with_gradient, optimizer_step) tests/test_rl_math.py holds to their formulas
     written out."""
     device = next(model.parameters()).device
@@ -256,7 +259,8 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
     # 2. sample num_samples completions of each prompt, token by token as step 2 above draws them,
     # the model run over each whole row (no cache); mask 1 where the policy drew the token
-    seeds = [derive_seed(seed, i) for i in range(len(problems))]  # a random stream a problem
+    # a random stream a problem, from its place in the step: the same on 1 rank or 8
+    seeds = [derive_seed(seed, first_id + i) for i in range(len(problems))]
     samples = generate_reference(model, tokenizer, prompts, num_samples, max_new_tokens,
                                  temperature, seed=seeds, tool=tool, include_stop=True)  # fmt: skip
     # 3. score each completion's text with the task's verifier
@@ -267,24 +271,27 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
     # 4. advantage: A_i = r_i - the mean reward of completion i's group, (rows,)
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
-    # 5. the loss L of the module docstring's step 5 (one rank: N is its sampled tokens).
+    # 5. the loss L of the module docstring's step 5, this rank's share of it.
     # inputs, targets (rows, T), a row shifted by one: prompt p0 p1, sampled a0 a1 ->
     # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)
     # logp (rows, T): each target's log-prob under softmax(logits / temperature), 0 where -1
     # (off S_i), so the sum below runs over S_i alone
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
-    N = (targets >= 0).sum()  # a number: the step's sampled tokens
+    N = all_reduce_sum((targets >= 0).sum())  # a number: the step's sampled tokens, all ranks
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
-    # 6. the lr, falling from the peak at step 0 toward 0; then optimizer_step(), the run's: the
-    # gradient's norm clipped, one AdamW step, none where the rows with signal sampled no token
-    # (kept_tokens 0) or anything is not finite (one rank: no sum over ranks)
+    # 6. the gradients summed over ranks (not averaged: N counted every rank's tokens; one rank:
+    # nothing to do); the lr, falling from the peak at step 0 toward 0; then optimizer_step(),
+    # the run's: the gradient's norm clipped, one AdamW step, none where the rows with signal
+    # sampled no token (kept_tokens 0) or anything is not finite
+    sync_gradients(model)
     lr = peak_lr * (1 - step / num_steps)
     kept = rows_with_gradient(advantages, num_samples)  # the groups with signal, as the run's
-    kept_tokens = int((targets[kept] >= 0).sum())  # their S_i
-    optimizer_step(model, optimizer, lr, grad_clip, float(loss.detach()), kept_tokens)
-    return loss.detach(), rewards
+    kept_tokens = int(all_reduce_sum((targets[kept] >= 0).sum()))  # their S_i, all ranks
+    loss = float(all_reduce_sum(loss.detach()))  # L: every rank's share summed
+    optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens)
+    return loss, rewards
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -295,12 +302,12 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 #                                         boundary: tests/test_reference_sampler.py)
 #   3  reward_terms(...)["total"]         rollout(): the same call, with --format-weight's weight
 #   4  compute_advantages(...)            step_advantages(): the run's one call, --advantage's kind
-#   5  N = (targets >= 0).sum()           normaliser(): a row's N_i, every rank's tokens summed
+#   5  N = all_reduce_sum(...)           normaliser(): a row's N_i (at the default, the same N)
 #      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
 #                                         passes (plumbing/passes.py: micro-batches of the kept
 #                                         rows, logp from fast_logprobs)
-#   6  lr, optimizer_step(...)            train_step()'s lr, sync_gradients() (the sum over ranks)
-#                                         before the same optimizer_step()
+#   6  sync_gradients(), lr,             the same calls in train_step(), each --ppo-epochs' epoch
+#      optimizer_step(...)
 # At the default objective flags, in fp32, the two compute the same numbers
 # (tests/test_plain_step.py). Editing objective() needs none of fast/ read: the fast log-probs
 # check the gradient they send against objective()'s own (fast/logprobs.Guess, its first
