@@ -11,18 +11,22 @@ update to it on the demo, one rank, CPU, fp32 (the Engine, the fast log-probs an
 against plain_step), and plain_step on two ranks to itself on one; the run on several ranks and
 in bf16 has tests of its own (test_distributed, test_objective, test_cuda_precision).
 
-In short, one step at the default flags (B rows: num_samples completions of each problem; T: the
-longest row's length - 1; the step list after it says each line whole):
-    sample     token = the first v, in vocabulary order, with cumsum(softmax(logits / temp))[v] > u,
-               u ~ U[0, 1) drawn in advance; mask (per token) 1 where the policy drew it
+In short, one step at the default flags, on each rank (B rows: num_samples completions of each of
+its problems; T: the longest row's length - 1; the step list after it says each line whole):
+    sample     token = the first v, in vocabulary order, with cumsum(softmax(logits / temp))[v] >
+               u x the sum's last entry, u ~ U[0, 1) drawn in advance (the run's Engine: the same
+               draws from a KV cache); mask (per token) 1 where the policy drew it, 0 on the
+               prompt and the calculator's results
     reward     r (B,): 1 if the verifier finds the right answer, else 0
-    advantage  A = r - the mean of r over the row's group (B,)
-    loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off the sampled tokens; N the
-               step's sampled tokens, all ranks (the train row's sampled_tokens). The run sums it
-               in passes over the groups with signal: T a pass's own, N in each entry of N_i (B,)
+    advantage  A (B,) = r - the mean of r over the row's group: 0 for a unanimous group
+    loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off S_i, the tokens the row's
+               policy sampled (mask[1:] == 1); N = sum_j |S_j| over the step, all ranks (logged as
+               sampled_tokens). The run sums it in passes over the groups with signal: T a pass's
+               own, N in each entry of N_i (B,)
     update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
                1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if the loss or the
-               gradient is not finite or no group has signal
+               gradient is not finite, or if kept_tokens (the |S_j| of the groups with signal, all
+               ranks; not N) is 0
 
 One optimizer step at the default flags, [the plain piece that holds it]:
   1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
@@ -37,7 +41,8 @@ One optimizer step at the default flags, [the plain piece that holds it]:
        sum's last entry, 1 but for rounding; never past the last token with probability). u is a
        uniform drawn in advance for the row and position from the problem's own random stream (so
        a problem samples alike on 1 rank or 8).
-     - A row ends at the stop token (sampled and trained like any other) or at max_new_tokens.
+     - A row ends at a stop token (one of the tokenizer's stop_tokens; sampled and trained like
+       any other) or at max_new_tokens.
      - The calculator: after a call such as `<<48/2=`, its result `24>>` is written in, one token
        a position, counted in max_new_tokens (engine.Calculator; a first read skips it).
      - The mask, per token of a row: 1 if the policy sampled it, 0 on the prompt and on the
@@ -66,7 +71,7 @@ One optimizer step at the default flags, [the plain piece that holds it]:
        0.95, eps 1e-8, no weight decay).
      - Skipped if the loss or the gradient is not finite, or if no group has signal: kept_tokens,
        the sampled tokens of the groups with signal on all ranks (logged; not N, which counts
-       every group's), is 0.
+       every group's), is 0. --max-nonfinite (5) non-finite updates in a row stop the run.
      - The lr falls linearly, no warmup: step s = 0, 1, ... uses lr x (1 - s / num_steps), lr
        being --lr (--lora-lr with --lora-rank > 0).
   7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
