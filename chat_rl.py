@@ -745,7 +745,7 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
     row = metrics.step_metrics(
         step, out, t_rollout, device, world, loss=loss, lr=lr, kept_tokens=kept_tokens,
-        sampled_tokens=sum(map(sampled_tokens, masks)),
+        sampled_tokens=sum(map(sampled_tokens, masks)),  # this rank's: step_metrics sums them
         grad_norm=grad_norm, step_time_s=time.time() - t0, skipped_nonfinite=int(not finite),
         state_mib=fsdp.state_bytes(model, optimizer) / 2**20,
         **metrics.per_token(stats, kept_tokens * len(updates), device),
