@@ -15,8 +15,8 @@ In short, one step at the default flags, on each rank (B rows: num_samples compl
 its problems; T: the longest row's length - 1; the step list after it says each line whole):
     sample     token = the first v, in vocabulary order, with cumsum(softmax(logits / temp))[v] >
                u x the sum's last entry, u ~ U[0, 1) drawn in advance (the run's Engine: the same
-               draws from a KV cache); mask (per token) 1 where the policy drew it, 0 on the
-               prompt and the calculator's results
+               draws from a KV cache, but where rounding crosses a token's boundary); mask (per
+               token) 1 where the policy drew it, 0 on the prompt and the calculator's results
     reward     r (B,): 1 if the verifier finds the right answer, else 0
     advantage  A (B,) = r - the mean of r over the row's group: 0 for a unanimous group
     loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off S_i, the tokens the row's
@@ -594,9 +594,10 @@ def training_rows(out, advantages, trains, mask_truncated):
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (the norm before
     clipping, finite).
-    Skipped if the loss or the gradient is not finite, and if no group was kept (a zero gradient,
-    but AdamW's momentum would still move the weights); the lr schedule moves on through it, AdamW's
-    own step count (its bias correction's) not."""
+    Skipped if the loss or the gradient is not finite, and if kept_tokens is 0: no group kept, or
+    their rows sampled no token (a zero gradient, but AdamW's momentum would still move the
+    weights); the lr schedule moves on through it, AdamW's own step count (its bias correction's)
+    not."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     max_norm = grad_clip or float("inf")
