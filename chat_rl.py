@@ -112,14 +112,11 @@ from tqdm import tqdm
 
 from engine import generate_reference
 from fast.logprobs import LOGPROBS, RolloutLogprobs, make_batch, plain_logprobs, sampled_tokens
-from plumbing import checkpoint, fsdp, metrics, refill
+from plumbing import fsdp, loop, metrics, refill
 from plumbing.data import derive_seed, problems_for_step
 from plumbing.distributed import all_reduce_sum, sync_gradients
-from plumbing.evaluation import eval_step
-from plumbing.flags import RunError, run
+from plumbing.flags import run
 from plumbing.passes import backward_passes
-from plumbing.start import start
-from plumbing.stop import StopFlag
 from tasks.common import conversation, rewards as reward_terms
 
 # ---- hyperparameters -----------------------------------------------------------------------------
@@ -301,17 +298,17 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 
 # ---- the run -------------------------------------------------------------------------------------
 # What a fork (your edited copy) reads next: train_step() is plain_step() with every option and the
-# fast paths, train() runs it with evals and saves. Each part of plain_step and the run's:
+# fast paths; train() runs it with evals and saves (plumbing/loop.py). plain_step beside the run:
 #   2  generate_reference(...)            rollout(): engine.Engine, the same tokens from a KV cache
 #                                         (where batching's rounding of a logit crosses no token's
 #                                         boundary: tests/test_reference_sampler.py)
 #   3  reward_terms(...)["total"]         rollout(): the same call, with --format-weight's weight
 #   4  compute_advantages(...)            step_advantages(): the run's one call, --advantage's kind
-#   5  N = all_reduce_sum(...)           normaliser(): a row's N_i (at the default, the same N)
+#   5  N = all_reduce_sum(...)            normaliser(): a row's N_i (at the default, the same N)
 #      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
 #                                         passes (plumbing/passes.py: micro-batches of the kept
 #                                         rows, logp from fast_logprobs)
-#   6  sync_gradients(), lr,             the same calls in train_step(), each --ppo-epochs' epoch
+#   6  sync_gradients(), lr,              the same calls in train_step(), each --ppo-epochs' epoch
 #      optimizer_step(...)
 # At the default objective flags, in fp32, the two compute the same numbers
 # (tests/test_plain_step.py). Editing objective() needs none of fast/ read: the fast log-probs
@@ -610,54 +607,10 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7, every rank in lockstep: the run around train_step(), which takes one step.
-    Step s sees the weights after s updates: num_steps=2, eval_every=1 runs eval 0, update 0,
-    eval 1, update 1, eval 2, and saves step_000002."""
-    print0 = print if rank == 0 else (lambda *a, **k: None)
-    stop = StopFlag()  # SIGTERM, SIGINT: the step under way left in seconds, the last one kept
-    # plumbing/start.py: the rows, the resume point, the policy with its Engine and AdamW, the log
-    setup = start(cfg, rank, world, device)
-    model, optimizer, tokenizer, log = setup.model, setup.optimizer, setup.tokenizer, setup.log
-    num_steps, start_step = setup.num_steps, setup.start_step
-    print0(metrics.start_line(cfg, model, world, device, start_step, num_steps, setup.resumed,
-                              setup.dtype_why))  # fmt: skip
-    last_pass1 = log.last_eval.get("pass@1", math.nan)  # a resumed run shows its last eval
-    last_saved = start_step if setup.resumed else -1  # the newest checkpoint's step: none twice
-    step, nonfinite_in_row, failure, t_start = start_step, 0, None, time.time()
-    eta = metrics.Eta(num_steps, cfg.eval_every)  # from the times of steps and evals
-    for step in range(start_step, num_steps + 1):  # the pass at num_steps only evaluates
-        if stop.requested(device):
-            break
-        eval_due = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == num_steps)
-        if cfg.eval_only or eval_due:  # 7. held-out pass@k (plumbing/evaluation.py)
-            held_out = eval_step(rollout, setup, cfg, step, rank, world, device, stop, eta)
-            if held_out is None:  # a stop signal came mid-eval
-                break
-            last_pass1 = held_out["pass@1"]
-        if step == num_steps or cfg.eval_only:
-            break
-        row, failure = train_step(setup, cfg, step, rank, world, device, stop)
-        if row is None:  # a stop, or every reward failed: no update this step
-            break
-        finite, kept_tokens = not row["skipped_nonfinite"], row["kept_tokens"]
-        nonfinite_in_row = metrics.check_nonfinite(finite, kept_tokens, nonfinite_in_row,
-                                                   cfg.max_nonfinite, step, print0)  # fmt: skip
-        log.write(row)
-        eta_s = eta.stepped(step, row["step_time_s"])
-        print0(metrics.console_line(row, num_steps, last_pass1, eta_s, tool=cfg.tool != "none"))
-        if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < num_steps:
-            checkpoint.save(cfg, step + 1, model, tokenizer, optimizer, rank, world)
-            last_saved = step + 1
-    if not cfg.eval_only and step not in (start_step, last_saved):  # an update not saved yet
-        checkpoint.save(cfg, step, model, tokenizer, optimizer, rank, world)
-    if failure:
-        message = f"step {step}: the reward failed on every completion; the first: {failure}"
-        raise RunError(message, every_rank=True)
-    evaluated, minutes = cfg.model if cfg.eval_only else "", (time.time() - t_start) / 60
-    ended = metrics.stop_line(step, num_steps, minutes, cfg.out_dir, evaluated, stop.agreed)
-    print0(metrics.reward_errors_line(log.reward_errors) + ended)
-    log.close()
-    return 0
+    """Steps 1-7, every rank in lockstep: train_step() a step at a time, with held-out evals of
+    rollout()'s samples between them, checkpoints, stop signals and the log around them
+    (plumbing/loop.py, the run's plumbing)."""
+    return loop.run(train_step, rollout, cfg, rank, world, device)
 
 
 def train_step(setup, cfg, step, rank, world, device, stop):

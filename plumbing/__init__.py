@@ -1,7 +1,8 @@
 """What a run needs besides the RL of chat_rl.py: flags.py (the command line and its checks),
 distributed.py and fsdp.py (the ranks, their collectives, sharding), checkpoint.py (saving, loading,
 resuming), metrics.py (what a run reports), memory.py (what a GPU run will hold, planned from its
-config), passes.py (step 5's micro-batches, how the loss is computed, not what).
+config), passes.py (step 5's micro-batches, how the loss is computed, not what), loop.py (the run
+around chat_rl's step: evals, checkpoints, stops, the log).
 
 The torch this needs is checked here, before any module of the package is imported: distributed.py
 and fsdp.py import FSDP2 (torch.distributed.fsdp.fully_shard, public from torch 2.6) at their top,

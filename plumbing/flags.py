@@ -67,7 +67,7 @@ def run(train, hyperparameters, presets, doc, argv):
     process group, model or data; then this rank's process group and device, and train(cfg, rank,
     world, device). A RunError is said in one line on stderr (once, by rank 0, when every rank has
     it) and returns 1, 2 for a ConfigError; anything else is a bug and keeps its traceback. The
-    signal handlers train() installs (plumbing/stop.py) end with the run."""
+    signal handlers the run installs (plumbing/loop.py, plumbing/stop.py) end with it."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = parse_config(argv, hyperparameters, presets, doc)

@@ -1,7 +1,7 @@
 """
 A stop within seconds on SIGTERM (preemption) or SIGINT (Ctrl-C), whatever runs: the step under
-way is left unfinished, train() keeps or writes the checkpoint of the last finished step, and
-every rank exits 0.
+way is left unfinished, the run (plumbing/loop.py) keeps or writes the checkpoint of the last
+finished step, and every rank exits 0.
 
 Work is of two kinds. A rank's own (a rollout, an eval's sampling, a training pass of a step's first
 epoch without --fsdp; a stop after a step's first update lets it finish its epochs) runs inside
