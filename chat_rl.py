@@ -4,78 +4,57 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-For the algorithm, read the summary and the step list below, then plain_step() (past the
-hyperparameters): steps 2-6 at the default flags in under fifty lines of plain torch, calling the
-plain pieces the list names. tests/test_plain_step.py holds the run's rewards, loss, gradient and
-update to it on the demo, one rank, CPU, fp32 (the Engine, the fast log-probs and micro-batches
-against plain_step), and plain_step on two ranks to itself on one; the run on several ranks and
-in bf16 has tests of its own (test_distributed, test_objective, test_cuda_precision).
+The algorithm is the step below, each part once, then plain_step() (past the hyperparameters):
+steps 2-6 in under fifty lines of plain torch. Each part ends with the code that holds it,
+"plain:" what plain_step calls, "run:" what the run's train_step() calls instead (the same but for
+its fast paths). tests/test_plain_step.py holds the run's rewards, loss, gradient and update to
+plain_step's (the demo, one rank, fp32), and plain_step on two ranks to one.
 
-In short, one step at the default flags, on each rank (B rows: num_samples completions of each of
-its problems; T: the longest row's length - 1; the step list after it says each line whole):
-    sample     token = the first v, in vocabulary order, with cumsum(softmax(logits / temp))[v] >
-               u x the sum's last entry, u ~ U[0, 1) drawn in advance (the run's Engine: the same
-               draws from a KV cache, but where rounding crosses a token's boundary); mask (per
-               token) 1 where the policy drew it, 0 on the prompt and the calculator's results
-    reward     r (B,): 1 if the verifier finds the right answer, else 0
-    advantage  A (B,) = r - the mean of r over the row's group: 0 for a unanimous group
-    loss       L = -(A[:, None] * logp).sum() / N: logp (B, T), 0 off S_i, the tokens the row's
-               policy sampled (mask[1:] == 1); N = sum_j |S_j| over the step, all ranks (logged as
-               sampled_tokens). The run sums it in passes over the groups with signal: T a pass's
-               own, N in each entry of N_i (B,)
-    update     gradients summed over ranks, norm clipped to 1, AdamW(fused, betas (0.9, 0.95), eps
-               1e-8, no weight decay) at lr x (1 - step / num_steps); skipped if the loss or the
-               gradient is not finite, or if kept_tokens (the |S_j| of the groups with signal, all
-               ranks; not N) is 0
-
-One optimizer step at the default flags, [the plain piece that holds it]:
-  1. Problems [plumbing/data.problems_for_step]. Each epoch fixes a permutation of the training
-     problems. Each step takes the next examples_per_step of them; each rank (one process of a
-     torchrun launch, one per GPU; a laptop has one) takes an equal, contiguous share. The step
-     alone fixes the data, so a resumed run continues it.
-  2. Sampling [engine.generate_reference, which draws each token with engine.sample_reference].
-     - Each problem gets num_samples completions, its group. A row is a prompt's tokens, then one
-       completion's.
-     - A token: p = softmax(logits / temperature) over the tokenizer's vocabulary, temperature 1;
-       the token is the first, in vocabulary order, where cumsum(p) exceeds u (in code, u x the
-       sum's last entry, 1 but for rounding; never past the last token with probability). u is a
-       uniform drawn in advance for the row and position from the problem's own random stream (so
-       a problem samples alike on 1 rank or 8).
-     - A row ends at a stop token (one of the tokenizer's stop_tokens; sampled and trained like
-       any other) or at max_new_tokens.
-     - The calculator: after a call such as `<<48/2=`, its result `24>>` is written in, one token
-       a position, counted in max_new_tokens (engine.Calculator; a first read skips it).
-     - The mask, per token of a row: 1 if the policy sampled it, 0 on the prompt and on the
-       calculator's tokens.
-  3. Scoring [tasks/common.rewards]. r = 1 if the verifier finds the right final answer (GSM8K's
-     "#### <number>", MATH's \\boxed{}), else 0. A completion cut off before its answer scores 0,
-     and so does one whose reward raises an exception.
-  4. Advantage [compute_advantages()]. A_i = r_i - the mean reward of completion i's group, one
-     number a row. A group whose rewards are all equal is unanimous (A = 0: nothing to learn);
-     one whose rewards differ has signal.
-  5. Loss [plain_step's step-5 lines; fast/logprobs.py's make_batch and plain_logprobs]. Over the
-     step's completions i on all ranks, S_i the tokens i sampled (mask 1):
+One optimizer step at the default flags, on each rank (a torchrun process; a laptop has one).
+B: this rank's rows, each a prompt's tokens then one completion's; T: the longest row's length - 1.
+  1. Problems: the epoch's permutation of the training problems, the next examples_per_step of
+     it, each rank an equal contiguous share. The step alone fixes them: a resumed run continues.
+     plain and run: plumbing/data.problems_for_step
+  2. Sampling: num_samples completions of each problem, its group. A token is the first v, in
+     vocabulary order, with cumsum(p)[v] > u x cumsum(p)[-1] (the sum is 1 but for rounding),
+     p = softmax(logits / temperature), u ~ U[0, 1) drawn in advance from the problem's own
+     random stream (seeded by its place in the step: alike on 1 rank or 8). A row ends at a stop
+     token (any of the tokenizer's stop_tokens, trained like any token) or at max_new_tokens. The
+     calculator writes a call's result in (`<<48/2=` gets `24>>`, counted in max_new_tokens).
+     mask (per token): 1 where the policy drew the token, 0 on the prompt and calculator results.
+     plain: engine.generate_reference, the model over each whole row | run: rollout() ->
+     engine.Engine, a KV cache: the same tokens but where batching rounds a logit across a
+     token's boundary (tests/test_reference_sampler.py)
+  3. Reward: r (B,), 1 if the verifier finds the right final answer (GSM8K's "#### <number>",
+     MATH's \\boxed{}), else 0; 0 too for a completion cut off before its answer, or whose reward
+     raises.
+     plain: tasks/common.rewards | run: the same call, in rollout()
+  4. Advantage: A (B,) = r - the mean of r over the row's group, exactly 0 for a unanimous group
+     (equal rewards: no signal; the others have signal).
+     plain: compute_advantages | run: step_advantages, the same call
+  5. Loss, over the step's completions i on all ranks, S_i the tokens completion i sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
-     - logp_it: the token's log-probability under softmax(logits / temperature), the distribution
-       it was drawn from.
-     - In code: logp is (rows, T), T the longest row's length - 1, column t holding token t + 1
-       of a row (predicted from token t), 0 off S_i; A is (rows,).
-     - N is one number: every sampled token of the step on all ranks, a unanimous group's, a
-       cut-off completion's and the stop token included; not the prompt, the calculator's tokens
-       or padding; logged as sampled_tokens. Worked by hand in tests/test_rl_math.py's
-       test_loss_equals_hand_computed_value: two groups of two, N = 7.
-  6. Update [plain_step's step-6 lines, optimizer_step()].
-     - The gradients, zeroed before the step's backward, are summed over ranks
-       (plumbing/distributed.sync_gradients; not averaged: N counts every rank's tokens).
-     - Their norm is clipped to 1, and AdamW steps (plumbing/start.adamw: fused, betas 0.9 and
-       0.95, eps 1e-8, no weight decay).
-     - Skipped if the loss or the gradient is not finite, or if no group has signal: kept_tokens,
-       the sampled tokens of the groups with signal on all ranks (logged; not N, which counts
-       every group's), is 0. --max-nonfinite (5) non-finite updates in a row stop the run.
-     - The lr falls linearly, no warmup: step s = 0, 1, ... uses lr x (1 - s / num_steps), lr
-       being --lr (--lora-lr with --lora-rank > 0).
-  7. Evaluation [plumbing/evaluation.py] every eval_every steps: held-out greedy and pass@1..k of
-     samples at temperature 1.
+     logp (B, T): a row's token t + 1 at column t (predicted from token t), its log-probability
+     under softmax(logits / temperature), 0 off S_i (S_i = mask[1:] == 1). N: one number, every
+     token sampled in the step on all ranks (a unanimous group's, a cut-off completion's and the
+     stop tokens included; not the prompt, the calculator's or padding), logged as
+     sampled_tokens; tests/test_rl_math.py works one out by hand (two groups of two, N = 7).
+     plain: its step-5 lines, fast/logprobs.make_batch and plain_logprobs | run:
+     policy_gradient_backward -> objective()'s first branch, a micro-batch at a time over the
+     rows with gradient, "kept" (plumbing/passes.py), with N in each entry of N_i (B,)
+  6. Update: the gradients (zeroed before the backward) summed over ranks, not averaged (N counts
+     every rank's tokens); their norm clipped to 1; AdamW (fused, betas (0.9, 0.95), eps 1e-8, no
+     weight decay) at lr x (1 - s / num_steps) at step s = 0, 1, ... (no warmup; --lr, or
+     --lora-lr with --lora-rank). Skipped if the loss or the gradient is not finite, or if
+     kept_tokens (the kept rows' sampled tokens on all ranks, logged; not N) is 0: no group has
+     signal, or its rows sampled no token. --max-nonfinite (5) non-finite updates in a row stop
+     the run.
+     plain and run: plumbing/distributed.sync_gradients, optimizer_step(), plumbing/start.adamw
+  7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1.
+     run: plumbing/evaluation.py
+Under --dtype=bf16 (a GPU's default) the run's numbers round otherwise than plain_step's fp32, and
+the sampler's log-probs otherwise than the loss's (--rollout-correction weighs that). The options,
+each changing one step and off by default: plumbing/flags.py's docstring lists them by step.
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -243,23 +222,19 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
                temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0,
                first_id=0):  # fmt: skip
-    """Steps 2-6 in plain torch, the whole algorithm at the default flags, on each rank of a launch
-    (a laptop has one): sample, score, advantage, loss, backward, update; return (L, this rank's
-    rewards). problems: this rank's share of the step's, the first of them the step's first_id-th
-    (rank x len(problems)); optimizer: the run's, plumbing/start.adamw (its settings: step 6
-    above); seed: the step's, derive_seed(--seed, "rollout", step) in the run (each problem's
-    stream is derived from it); step: 0, 1, ... of num_steps; tool: calculator.calculate
-    (--tool's default), or None (--tool=none); grad_clip: --grad-clip's (0: off). train_step()
-    computes the same with its fast paths (the Engine's KV cache, micro-batches, fast log-probs,
-    options); tests/test_plain_step.py holds its rewards, loss, gradient and updated weights to
-    this one's, in fp32 (no autocast here: under --dtype=bf16 the run's numbers round otherwise),
-    and this one on two ranks to itself on one. The pieces both call (compute_advantages,
-    make_batch, rows_with_gradient, optimizer_step) tests/test_rl_math.py holds to their formulas
-    written out."""
+    """Steps 2-6 in plain torch at the default flags, on one rank of a launch (a laptop's only
+    one): sample, score, advantage, loss, backward, update; return (L, this rank's rewards).
+    problems: this rank's share of the step's, the first of them the step's first_id-th (rank x
+    len(problems)); seed: the step's, derive_seed(--seed, "rollout", step) in the run, each
+    problem's stream derived from it; step: 0, 1, ... of num_steps; optimizer: the run's
+    (plumbing/start.adamw); tool: calculator.calculate, or None (--tool=none); grad_clip: 0 is
+    off. fp32: no autocast here.
+    tests/test_rl_math.py holds the pieces it shares with the run (compute_advantages, make_batch,
+    rows_with_gradient, optimizer_step) to their formulas written out."""
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
-    # 2. sample num_samples completions of each prompt, token by token as step 2 above draws them,
+    # 2. sample num_samples completions of each prompt, token by token as the docstring's step 2,
     # the model run over each whole row (no cache); mask 1 where the policy drew the token
     # a random stream a problem, from its place in the step: the same on 1 rank or 8
     seeds = [derive_seed(seed, first_id + i) for i in range(len(problems))]
@@ -273,7 +248,7 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
     # 4. advantage: A_i = r_i - the mean reward of completion i's group, (rows,)
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
-    # 5. the loss L of the module docstring's step 5, this rank's share of it.
+    # 5. the loss L of the docstring's step 5, this rank's share of it.
     # inputs, targets (rows, T), a row shifted by one: prompt p0 p1, sampled a0 a1 ->
     # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)
@@ -298,27 +273,9 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
 
 # ---- the run -------------------------------------------------------------------------------------
 # What a fork (your edited copy) reads next: train_step() is plain_step() with every option and the
-# fast paths; train() runs it with evals and saves (plumbing/loop.py). plain_step beside the run:
-#   2  generate_reference(...)            rollout(): engine.Engine, the same tokens from a KV cache
-#                                         (where batching's rounding of a logit crosses no token's
-#                                         boundary: tests/test_reference_sampler.py)
-#   3  reward_terms(...)["total"]         rollout(): the same call, with --format-weight's weight
-#   4  compute_advantages(...)            step_advantages(): the run's one call, --advantage's kind
-#   5  N = all_reduce_sum(...)            normaliser(): a row's N_i (at the default, the same N)
-#      loss = -(A * logp).sum() / N       objective()'s first branch, in policy_gradient_backward's
-#                                         passes (plumbing/passes.py: micro-batches of the kept
-#                                         rows, logp from fast_logprobs)
-#   6  sync_gradients(), lr,              the same calls in train_step(), each --ppo-epochs' epoch
-#      optimizer_step(...)
-# At the default objective flags, in fp32, the two compute the same numbers
-# (tests/test_plain_step.py). Editing objective() needs none of fast/ read: the fast log-probs
-# check the gradient they send against objective()'s own (fast/logprobs.Guess, its first
-# paragraph). The run's words besides: kept rows are those with gradient (at the default flags, the
-# groups with signal), the only ones the training passes run; a pass is one micro-batch's forward
-# and backward; a rank's share of L is what its rows add to it. Under bf16 (a GPU's default) the
-# sampler's logp rounds otherwise than the loss's (--rollout-correction weighs it). The options,
-# each changing one step (those that switch something on are off by default): plumbing/flags.py's
-# docstring lists them by step, --help with their values.
+# fast paths, the docstring's "run:" parts; train() runs it with evals and saves (plumbing/loop.py).
+# Editing objective() needs none of fast/ read: the fast log-probs check the gradient they send
+# against objective()'s own (fast/logprobs.Guess, its first paragraph).
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
