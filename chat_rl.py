@@ -8,7 +8,9 @@ The algorithm is the step below, each part once, then plain_step() (past the hyp
 steps 2-6 in under fifty lines of plain torch. Each part ends with the code that holds it,
 "plain:" what plain_step calls, "run:" what the run's train_step() calls instead (the same but for
 its fast paths). tests/test_plain_step.py holds the run's rewards, loss, gradient and update to
-plain_step's (the demo, one rank, fp32), and plain_step on two ranks to one.
+plain_step's (the demo, one rank, fp32), and plain_step on two ranks to one. The fast paths,
+engine.Engine and fast/, need not be read to trust the run: tests/test_reference_sampler.py and
+tests/test_fast_logprobs.py hold them to the plain generate_reference and plain_logprobs.
 
 One optimizer step at the default flags, on each rank (a torchrun process; a laptop has one).
 B: this rank's rows, each a prompt's tokens then one completion's; T: the longest row's length - 1.
@@ -17,17 +19,19 @@ B: this rank's rows, each a prompt's tokens then one completion's; T: the longes
      plain and run: plumbing/data.problems_for_step
   2. Sampling: num_samples completions of each problem, its group. A token is the first v, in
      vocabulary order, with cumsum(p)[v] > u x cumsum(p)[-1] (the sum is 1 but for rounding),
-     p = softmax(logits / temperature), u ~ U[0, 1) drawn in advance from the problem's own
-     random stream (seeded by its place in the step: alike on 1 rank or 8). A row ends at a stop
-     token (any of the tokenizer's stop_tokens, trained like any token) or at max_new_tokens. The
-     calculator writes a call's result in (`<<48/2=` gets `24>>`, counted in max_new_tokens).
+     p = softmax(logits / temperature), u = u[sample, position] ~ U[0, 1) drawn in advance, a
+     (num_samples, max_new_tokens) table from the problem's own random stream (seeded by its place
+     in the step: alike on 1 rank or 8). A row ends at a stop token (any of the tokenizer's
+     stop_tokens, trained like any token) or at max_new_tokens. The calculator writes a call's
+     result in (`<<48/2=` gets `24>>`, a token a position, counted in max_new_tokens; those
+     positions' u go unused).
      mask (per token): 1 where the policy drew the token, 0 on the prompt and calculator results.
      plain: engine.generate_reference, the model over each whole row | run: rollout() ->
      engine.Engine, a KV cache: the same tokens but where batching rounds a logit across a
      token's boundary (tests/test_reference_sampler.py)
   3. Reward: r (B,), 1 if the verifier finds the right final answer (GSM8K's "#### <number>",
-     MATH's \\boxed{}), else 0; 0 too for a completion cut off before its answer, or whose reward
-     raises.
+     MATH's \\boxed{}), else 0 (a cut-off completion is graded as it stands: without its answer,
+     0); 0 too if the reward raises.
      plain: tasks/common.rewards | run: the same call, in rollout()
   4. Advantage: A (B,) = r - the mean of r over the row's group, exactly 0 for a unanimous group
      (equal rewards: no signal; the others have signal).
@@ -35,20 +39,24 @@ B: this rank's rows, each a prompt's tokens then one completion's; T: the longes
   5. Loss, over the step's completions i on all ranks, S_i the tokens completion i sampled:
          L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
      logp (B, T): a row's token t + 1 at column t (predicted from token t), its log-probability
-     under softmax(logits / temperature), 0 off S_i (S_i = mask[1:] == 1). N: one number, every
+     under softmax(logits / temperature), 0 off S_i (S_i = mask[1:] == 1). A row of prompt p0 p1,
+     sampled a0, the calculator's c0, sampled stop token s:
+         row p0 p1 a0 c0 s   mask 0 0 1 0 1   columns 0-3 predict p1 a0 c0 s   S_i = {1, 3}
+     The run's passes hold the rows with gradient alone, a micro-batch at a time, each pass its
+     own B and T (objective()'s docstring); the sum is the same. N: one number, every
      token sampled in the step on all ranks (a unanimous group's, a cut-off completion's and the
      stop tokens included; not the prompt, the calculator's or padding), logged as
      sampled_tokens; tests/test_rl_math.py works one out by hand (two groups of two, N = 7).
      plain: its step-5 lines, fast/logprobs.make_batch and plain_logprobs | run:
      policy_gradient_backward -> objective()'s first branch, a micro-batch at a time over the
      rows with gradient, "kept" (plumbing/passes.py), with N in each entry of N_i (B,)
-  6. Update: the gradients (zeroed before the backward) summed over ranks, not averaged (N counts
-     every rank's tokens); their norm clipped to 1; AdamW (fused, betas (0.9, 0.95), eps 1e-8, no
-     weight decay) at lr x (1 - s / num_steps) at step s = 0, 1, ... (no warmup; --lr, or
-     --lora-lr with --lora-rank). Skipped if the loss or the gradient is not finite, or if
-     kept_tokens (the kept rows' sampled tokens on all ranks, logged; not N) is 0: no group has
-     signal, or its rows sampled no token. --max-nonfinite (5) non-finite updates in a row stop
-     the run.
+  6. Update, in this order: the gradients (zeroed before the backward) summed over ranks, not
+     averaged (N counts every rank's tokens); L summed over ranks; lr = --lr x (1 - s / num_steps)
+     at step s = 0, 1, ... (no warmup; --lora-lr with --lora-rank); the gradient's norm clipped to
+     1; then AdamW (fused, betas (0.9, 0.95), eps 1e-8, no weight decay) steps, unless the loss or
+     the norm is not finite, or kept_tokens (the kept rows' sampled tokens on all ranks, logged;
+     not N) is 0: no group has signal, or its rows sampled no token. A skip leaves AdamW's step
+     count; --max-nonfinite (5) non-finite updates in a row stop the run.
      plain and run: plumbing/distributed.sync_gradients, optimizer_step(), plumbing/start.adamw
   7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1.
      run: plumbing/evaluation.py
