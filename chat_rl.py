@@ -4,62 +4,73 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-The algorithm is the step below, each part once, then plain_step() (past the hyperparameters):
-steps 2-6 in under fifty lines of plain torch. Each part ends with the code that holds it,
-"plain:" what plain_step calls, "run:" what the run's train_step() calls instead (the same but for
-its fast paths). tests/test_plain_step.py holds the run's rewards, loss, gradient and update to
-plain_step's (the demo, one rank, fp32), and plain_step on two ranks to one. The fast paths,
-engine.Engine and fast/, need not be read to trust the run: tests/test_reference_sampler.py and
-tests/test_fast_logprobs.py hold them to the plain generate_reference and plain_logprobs.
+The algorithm is the symbols, the step and its notes below, then plain_step() (past the
+hyperparameters): the step in under fifty lines of plain torch. tests/test_plain_step.py holds the
+run (train_step()) to it: rewards, loss, gradient and update, on the demo, one rank, fp32; and
+plain_step on two ranks to one. The run's fast paths, engine.Engine and fast/, need not be read to
+trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the plain
+generate_reference and plain_logprobs.
 
-One optimizer step at the default flags, on each rank (a torchrun process; a laptop has one).
-B: this rank's rows, each a prompt's tokens then one completion's; T: the longest row's length - 1.
-  1. Problems: the epoch's permutation of the training problems, the next examples_per_step of
-     it, each rank an equal contiguous share. The step alone fixes them: a resumed run continues.
-     plain and run: plumbing/data.problems_for_step
-  2. Sampling: num_samples completions of each problem, its group. A token is the first v, in
-     vocabulary order, with cumsum(p)[v] > u x cumsum(p)[-1] (the sum is 1 but for rounding),
-     p = softmax(logits / temperature), u = u[sample, position] ~ U[0, 1) drawn in advance, a
-     (num_samples, max_new_tokens) table from the problem's own random stream (seeded by its place
-     in the step: alike on 1 rank or 8). A row ends at a stop token (any of the tokenizer's
-     stop_tokens, trained like any token) or at max_new_tokens. The calculator writes a call's
-     result in (`<<48/2=` gets `24>>`, a token a position, counted in max_new_tokens; those
-     positions' u go unused).
-     mask (per token): 1 where the policy drew the token, 0 on the prompt and calculator results.
+Symbols, on one rank (a torchrun process; a laptop has one):
+  K        num_samples, the completions of a problem: its group
+  B        rows: this rank's problems x K, each a prompt's tokens then one completion's
+  T        the longest row's length - 1
+  mask     per row and token: 1 where the policy drew the token, 0 on the prompt and on the
+           calculator's results
+  S_i      the tokens row i sampled: mask[1:] == 1, as columns of a (B, T) tensor
+  r, A     (B,): the reward and the advantage of each row
+  logp     (B, T): column t holds the log-prob of a row's token t + 1 under softmax(logits /
+           temperature), predicted from token t; 0 off S_i
+  N        one number: sum_j |S_j| over every row of the step on all ranks (logged sampled_tokens)
+  kept     the rows with gradient: groups whose A is not all 0, "with signal"
+  kept_tokens  sum_j |S_j| over the kept rows on all ranks (logged; not N)
+
+One optimizer step s at the default flags, as each rank runs it:
+  1  problems: this rank's equal, contiguous share of the next examples_per_step problems of the
+     epoch's permutation of the training set
+  2  for each problem, its rows k = 0 .. K-1, each position t until a stop token or max_new_tokens:
+         p = softmax(logits / temperature)
+         token = the first v with cumsum(p)[v] > u[k, t] x cumsum(p)[-1]
+  3  r = 1 if the verifier finds the right final answer, else 0
+  4  A = r - the mean of r over the row's group             (exactly 0 for a unanimous group)
+  5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N         (backward: the kept rows alone)
+  6  gradients = their sum over ranks                       (not the mean: N counts every rank's)
+     lr = --lr x (1 - s / num_steps)                        (s = 0, 1, ...; no warmup)
+     clip the gradient's norm to 1
+     if L and the norm are finite and kept_tokens > 0: AdamW step (fused, betas (0.9, 0.95), eps
+         1e-8, no weight decay)
+  7  every eval_every steps: held-out greedy accuracy and pass@1..k at temperature 1
+
+Notes, step by step, each with the code that holds it ("plain:" plain_step's, "run:" train_step's):
+  1  The step alone fixes the problems: a resumed run continues. plain and run:
+     plumbing/data.problems_for_step
+  2  u: a (K, max_new_tokens) table of U[0, 1) drawn in advance from the problem's own random
+     stream, seeded by its place in the step: a problem samples alike on 1 rank or 8. cumsum(p)[-1]
+     is 1 but for rounding. A stop token is any of the tokenizer's stop_tokens, kept and trained
+     like any token. The calculator writes a call's result in (`<<48/2=` gets `24>>`), a token a
+     position, counted in max_new_tokens, mask 0, that position's u unused.
      plain: engine.generate_reference, the model over each whole row | run: rollout() ->
      engine.Engine, a KV cache: the same tokens but where batching rounds a logit across a
      token's boundary (tests/test_reference_sampler.py)
-  3. Reward: r (B,), 1 if the verifier finds the right final answer (GSM8K's "#### <number>",
-     MATH's \\boxed{}), else 0 (a cut-off completion is graded as it stands: without its answer,
-     0); 0 too if the reward raises.
+  3  The verifiers: GSM8K's "#### <number>", MATH's \\boxed{}. A cut-off completion is graded as it
+     stands (without its answer: 0); a reward that raises gives 0.
      plain: tasks/common.rewards | run: the same call, in rollout()
-  4. Advantage: A (B,) = r - the mean of r over the row's group, exactly 0 for a unanimous group
-     (equal rewards: no signal; the others have signal).
-     plain: compute_advantages | run: step_advantages, the same call
-  5. Loss, over the step's completions i on all ranks, S_i the tokens completion i sampled:
-         L = -sum_i sum_{t in S_i} A_i * logp_it / N,    N = sum_j |S_j|
-     logp (B, T): a row's token t + 1 at column t (predicted from token t), its log-probability
-     under softmax(logits / temperature), 0 off S_i (S_i = mask[1:] == 1). A row of prompt p0 p1,
-     sampled a0, the calculator's c0, sampled stop token s:
+  4  plain: compute_advantages | run: step_advantages, the same call
+  5  N counts a unanimous group's tokens, a cut-off completion's and the stop tokens; not the
+     prompt, the calculator's or padding. A row of prompt p0 p1, sampled a0, the calculator's c0,
+     sampled stop token s:
          row p0 p1 a0 c0 s   mask 0 0 1 0 1   columns 0-3 predict p1 a0 c0 s   S_i = {1, 3}
-     The run's passes hold the rows with gradient alone, a micro-batch at a time, each pass its
-     own B and T (objective()'s docstring); the sum is the same. N: one number, every
-     token sampled in the step on all ranks (a unanimous group's, a cut-off completion's and the
-     stop tokens included; not the prompt, the calculator's or padding), logged as
-     sampled_tokens; tests/test_rl_math.py works one out by hand (two groups of two, N = 7).
+     tests/test_rl_math.py works N out by hand (two groups of two, N = 7).
      plain: its step-5 lines, fast/logprobs.make_batch and plain_logprobs | run:
-     policy_gradient_backward -> objective()'s first branch, a micro-batch at a time over the
-     rows with gradient, "kept" (plumbing/passes.py), with N in each entry of N_i (B,)
-  6. Update, in this order: the gradients (zeroed before the backward) summed over ranks, not
-     averaged (N counts every rank's tokens); L summed over ranks; lr = --lr x (1 - s / num_steps)
-     at step s = 0, 1, ... (no warmup; --lora-lr with --lora-rank); the gradient's norm clipped to
-     1; then AdamW (fused, betas (0.9, 0.95), eps 1e-8, no weight decay) steps, unless the loss or
-     the norm is not finite, or kept_tokens (the kept rows' sampled tokens on all ranks, logged;
-     not N) is 0: no group has signal, or its rows sampled no token. A skip leaves AdamW's step
-     count; --max-nonfinite (5) non-finite updates in a row stop the run.
+     policy_gradient_backward -> objective()'s first branch, in passes over the kept rows, a
+     micro-batch at a time (plumbing/passes.py), each pass its own B and T, N in each entry of
+     N_i (B,) (normaliser())
+  6  The gradients are zeroed before the backward; L is summed over ranks too. --lora-lr replaces
+     --lr with --lora-rank. kept_tokens is 0 when no group has signal, or their rows sampled no
+     token: a skip (the lr moves on, AdamW's step count not). --max-nonfinite (5) non-finite
+     updates in a row stop the run.
      plain and run: plumbing/distributed.sync_gradients, optimizer_step(), plumbing/start.adamw
-  7. Evaluation every eval_every steps: held-out greedy and pass@1..k of samples at temperature 1.
-     run: plumbing/evaluation.py
+  7  run: plumbing/evaluation.py
 Under --dtype=bf16 (a GPU's default) the run's numbers round otherwise than plain_step's fp32, and
 the sampler's log-probs otherwise than the loss's (--rollout-correction weighs that). The options,
 each changing one step and off by default: plumbing/flags.py's docstring lists them by step.
