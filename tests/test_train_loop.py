@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import chat_rl
+from test_plain_step import NUM_SAMPLES as STEP0_SAMPLES, first_step_of_train
 from test_rl_math import KINDS, NO_BASELINE  # every kind of advantage by name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,19 +129,29 @@ def test_top_k_1_rollouts_leave_nothing_to_learn(tmp_path):
     assert all(torch.equal(start[k], end[k]) for k in start)
 
 
+@pytest.fixture(scope="module")
+def default_step0(tmp_path_factory):
+    return first_step_of_train(tmp_path_factory.mktemp("default_step0"))
+
+
 @pytest.mark.parametrize(
     "flag", [*(f"--advantage={kind}" for kind in KINDS if kind != "mean"), "--loss-norm=sequence"]
 )
-def test_the_objective_flags_reach_the_loss(flag, demo_run, tmp_path):
-    # step 0 samples the same completions under any objective (same weights, same seeds):
-    # only the loss differs
-    _, train, _ = demo_run
-    assert train[0]["kept_tokens"] > 0, "step 0 had nothing to learn: no loss to compare"
-    first = run(tmp_path, flag, "--num-steps=1", "--eval-every=-1")[0][0]
-    assert first["reward"] == train[0]["reward"]
+def test_the_objective_flags_reach_the_loss(flag, default_step0, tmp_path):
+    # step 0 samples the same completions under any objective (same weights, same seeds): only
+    # the loss differs. Its groups differ in what a kind of advantage may read: some have signal,
+    # and one with signal has replies of different lengths, so a kind weighing by length shows too
+    base = default_step0
+    rewards = torch.tensor(base["out"]["total"]).view(-1, STEP0_SAMPLES)
+    lengths = torch.tensor(base["out"]["tokens"]).view(-1, STEP0_SAMPLES)
+    signal = rewards.amax(dim=1) > rewards.amin(dim=1)
+    assert signal.any(), "step 0 had nothing to learn: no loss to compare"
+    assert (lengths.amax(dim=1) > lengths.amin(dim=1))[signal].any(), "one length a group"
+    first = first_step_of_train(tmp_path, flag)
+    assert first["out"]["total"] == base["out"]["total"]
     if flag.removeprefix("--advantage=") not in NO_BASELINE:  # those train unanimous groups too
-        assert first["kept_tokens"] == train[0]["kept_tokens"]
-    assert first["loss"] != pytest.approx(train[0]["loss"], rel=1e-3)
+        assert first["row"]["kept_tokens"] == base["row"]["kept_tokens"]
+    assert first["loss"] != pytest.approx(base["loss"], rel=1e-3)
 
 
 def test_adamws_flags_reach_the_optimizer_and_its_defaults_are_the_runs_before_them(
