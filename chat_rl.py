@@ -11,19 +11,21 @@ plain_step on two ranks to one. The run's fast paths, engine.Engine and fast/, n
 trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the plain
 generate_reference and plain_logprobs.
 
-Symbols, on one rank (a torchrun process; a laptop has one):
+Symbols, on one rank (a torchrun process; a laptop has one), and [their names in the run]:
   K        num_samples, the completions of a problem: its group
   B        rows: this rank's problems x K, each a prompt's tokens then one completion's
-  T        the longest row's length - 1
+  T        the longest row's length - 1 [the run's passes: each its own B and T]
   mask     per row and token: 1 where the policy drew the token, 0 on the prompt and on the
-           calculator's results
+           calculator's results [rollout()'s out["masks"]]
   S_i      the tokens row i sampled: mask[1:] == 1, as columns of a (B, T) tensor
-  r, A     (B,): the reward and the advantage of each row
+           [make_batch's targets >= 0; objective()'s batch.sampled]
+  r, A     (B,): the reward and the advantage of each row [out["total"]; step_advantages()]
   logp     (B, T): column t holds the log-prob of a row's token t + 1 under softmax(logits /
-           temperature), predicted from token t; 0 off S_i
-  N        one number: sum_j |S_j| over every row of the step on all ranks (logged sampled_tokens)
-  kept     the rows with gradient: groups whose A is not all 0, "with signal"
-  kept_tokens  sum_j |S_j| over the kept rows on all ranks (logged; not N)
+           temperature), predicted from token t; 0 off S_i [objective()'s logp]
+  N        one number: sum_j |S_j| over every row of the step on all ranks [normaliser()'s N_i,
+           N in each row's entry; objective()'s batch.normaliser; logged as sampled_tokens]
+  kept     the rows with gradient: groups whose A is not all 0, "with signal" [rows_with_gradient]
+  kept_tokens  sum_j |S_j| over the kept rows on all ranks [normaliser()'s; logged; not N]
 
 One optimizer step s at the default flags, as each rank runs it:
   1  problems: this rank's equal, contiguous share of the next examples_per_step problems of the
