@@ -7,7 +7,8 @@ beat their group's average get their log-probability raised, the others lowered.
 The algorithm is the symbols, the step and its notes below, then plain_step() (past the
 hyperparameters): the step in under fifty lines of plain torch. tests/test_plain_step.py holds the
 run (train_step()) to it: rewards, loss, gradient and update, on the demo, one rank, fp32; and
-plain_step on two ranks to one. The run's fast paths, engine.Engine and fast/, need not be read to
+plain_step on two ranks to one; python -m scripts.check_step prints the run's first step beside
+these formulas worked by hand. The run's fast paths, engine.Engine and fast/, need not be read to
 trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the plain
 generate_reference and plain_logprobs.
 
@@ -42,6 +43,10 @@ One optimizer step s at the default flags, as each rank runs it:
      if L and the norm are finite and kept_tokens > 0: AdamW step (fused, betas (0.9, 0.95), eps
          1e-8, no weight decay)
   7  every eval_every steps: held-out greedy accuracy and pass@1..k at temperature 1
+
+The run's calls, in train_step(): problems_for_step (1), rollout() (2-3), step_advantages() (4),
+policy_gradient_backward() -> normaliser() and plumbing/passes.backward_passes() -> objective() (5),
+sync_gradients() and optimizer_step() (6).
 
 Notes, step by step, each with the code that holds it ("plain:" plain_step's, "run:" train_step's):
   1  The step alone fixes the problems: a resumed run continues. plain and run:

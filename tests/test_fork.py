@@ -19,7 +19,7 @@ import test_objective as base  # the objective's own tests: their model, rollout
 import test_objective_options as opts  # the tests' one reference loss, written out
 from fast.logprobs import fast_logprobs, make_batch, plain_logprobs, sampled_tokens
 from plumbing import checkpoint, flags, metrics
-from test_plain_step import first_step_of_train  # train()'s first step, recorded
+from scripts.check_step import first_step_of_train  # train()'s first step, recorded
 
 T, NUM_SAMPLES = base.T, base.NUM_SAMPLES
 PATHS = {"plain": plain_logprobs, "fast": fast_logprobs}

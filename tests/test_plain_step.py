@@ -2,8 +2,6 @@
 completions, rewards, loss, gradient and updated weights, so a reader can learn the algorithm from
 the plain one; and plain_step on two ranks against itself on one."""
 
-import json
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,51 +11,10 @@ import chat_rl
 from calculator import calculate
 from fast.logprobs import make_batch
 from plumbing import checkpoint, flags, start
+from scripts.check_step import MAX_NEW_TOKENS, NUM_SAMPLES, first_step_of_train
 from tasks import arith
 
-NUM_SAMPLES, MAX_NEW_TOKENS = 4, 40
 DEFAULTS = flags.parse_config([], chat_rl.HYPERPARAMETERS)  # every flag at its default
-
-
-def first_step_of_train(tmp_path, *flags):
-    """train()'s step 0 on the demo (4 problems x 4 samples, 40 new tokens, no eval), with flags:
-    {"problems", "seed", "out": its rollout's arguments and dict, "advantages": what its backward
-    received, "loss": L as its update saw it (summed over ranks), "grads": the gradient it stepped
-    with (summed over ranks, clipped), "weights": the weights after it, "row": its train row of
-    metrics.jsonl}. A test of an advantage of your own runs it with your flag and holds
-    "advantages" to your formula on "out" (tests/test_fork.py does), and what it logs to "row".
-    Its recorders are patched in for the run alone: a test's own monkeypatch stays as it was."""
-    seen = {}
-    rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
-    backward = chat_rl.policy_gradient_backward
-
-    def recording_rollout(engine, task, problems, *args, **kwargs):
-        out = rollout(engine, task, problems, *args, **kwargs)
-        seen.update(problems=problems, seed=args[4], out=out)
-        return out
-
-    def recording_backward(model, sequences, masks, advantages, **kwargs):
-        seen["advantages"] = advantages.clone()
-        return backward(model, sequences, masks, advantages, **kwargs)
-
-    def recording_step(model, optimizer, *args):
-        stepped = optimizer_step(model, optimizer, *args)  # clips .grad in place, then steps
-        seen["loss"] = args[2]  # (lr, grad_clip, loss, kept_tokens)
-        seen["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        seen["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return stepped
-
-    argv = ["--preset=demo", f"--out-dir={tmp_path}", "--num-steps=1", "--eval-every=-1",
-            "--examples-per-step=4", f"--num-samples={NUM_SAMPLES}",
-            f"--max-new-tokens={MAX_NEW_TOKENS}", "--device-batch-size=5", *flags]  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(chat_rl, "rollout", recording_rollout)
-        patch.setattr(chat_rl, "optimizer_step", recording_step)
-        patch.setattr(chat_rl, "policy_gradient_backward", recording_backward)
-        assert chat_rl.main(argv) == 0
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    (seen["row"],) = [row for row in rows if row.get("split") != "eval"]  # one step, no eval
-    return seen
 
 
 # the demo's step 0 has a gradient norm of 0.21 (0.14 at temperature 1.5): a clip of 0.05 acts on

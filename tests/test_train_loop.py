@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import chat_rl
-from test_plain_step import NUM_SAMPLES as STEP0_SAMPLES, first_step_of_train
+from scripts.check_step import NUM_SAMPLES as STEP0_SAMPLES, first_step_of_train
 from test_rl_math import KINDS, NO_BASELINE  # every kind of advantage by name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
