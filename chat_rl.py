@@ -7,10 +7,10 @@ beat their group's average get their log-probability raised, the others lowered.
 The algorithm is the symbols, the step and its notes below, then plain_step() (past the
 hyperparameters): the step in under fifty lines of plain torch. tests/test_plain_step.py holds the
 run (train_step()) to it: rewards, loss, gradient and update, on the demo, one rank, fp32; and
-plain_step on two ranks to one; python -m scripts.check_step prints the run's first step beside
-these formulas worked by hand. The run's fast paths, engine.Engine and fast/, need not be read to
-trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the plain
-generate_reference and plain_logprobs.
+plain_step on two ranks to one; python -m scripts.check_step prints the run's first three steps
+beside these formulas worked by hand. The run's fast paths, engine.Engine and fast/, need not be
+read to trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the
+plain generate_reference and plain_logprobs.
 
 Symbols, on one rank (a torchrun process; a laptop has one), and [their names in the run]:
   K        num_samples, the completions of a problem: its group
@@ -31,9 +31,9 @@ Symbols, on one rank (a torchrun process; a laptop has one), and [their names in
 One optimizer step s at the default flags, as each rank runs it:
   1  problems: this rank's equal, contiguous share of the next examples_per_step problems of the
      epoch's permutation of the training set
-  2  for each problem, its rows k = 0 .. K-1, each position t until a stop token or max_new_tokens:
+  2  for each problem, its rows k = 0 .. K-1, each reply position j until a stop token or budget:
          p = softmax(logits / temperature)
-         token = the first v with cumsum(p)[v] > u[k, t] x cumsum(p)[-1]
+         token = the first v with cumsum(p)[v] > u[k, j] x cumsum(p)[-1]
   3  r = 1 if the verifier finds the right final answer, else 0
   4  A = r - the mean of r over the row's group             (exactly 0 for a unanimous group)
   5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N         (backward: the kept rows alone)

@@ -23,7 +23,7 @@ from tasks import mathtask
 
 CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_verify_cases.json")
 
-# (file, line) -> the rule of ours that makes grade fail a case the suite passes
+# (Math-Verify's test file, line) -> the rule of ours that makes grade fail a case its suite passes
 BY_OUR_RULES = {
     ("tests/test_all.py", 810): "the last box binds: the right total is only in the text after it",
 }
