@@ -2,6 +2,7 @@
 The run's first steps on the demo beside chat_rl.py's docstring, every number worked out again:
 
     python -m scripts.check_step                          # 3-60 s on 2 CPU cores
+    python -m scripts.check_step --ranks=2                # two ranks, as torchrun starts them
     python -m scripts.check_step --seed=1 --temperature=1.5 --grad-clip=0.05 --num-steps=4
 
 It runs train() for --num-steps steps (3; 4 problems x 4 samples of up to 40 new tokens,
@@ -12,19 +13,22 @@ table, A from the rewards, N and kept_tokens from the masks, L and its gradient 
 log-softmax, the lr from the schedule, AdamW's step (its moments kept by hand) or the skip. Each
 step starts from the weights the run's last one ended at. It prints a table a step and exits 1
 where they disagree; at the default seed, step 2 has no group with signal and shows the skip.
-One rank: the sum over ranks is tests/test_distributed.py's (-k torchrun). steps_of_train, the
-recorder, is the tests' too (tests/test_plain_step.py, test_fork.py).
+With --ranks=2 each rank samples its share of the step's problems, and the formulas run over all
+their rows: N, L and the gradient are the step's on both, and both ranks' weights must be one.
+steps_of_train, the recorder, is the tests' too (tests/test_plain_step.py, test_fork.py).
 """
 
 import argparse
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as chat_rl sets it, before torch loads
 import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 import chat_rl  # noqa: E402
 from plumbing import checkpoint  # noqa: E402
@@ -74,12 +78,48 @@ def steps_of_train(out_dir, *flags, num_steps=1):
         assert chat_rl.main(argv) == 0, "the run did not end well"
     finally:
         chat_rl.rollout, chat_rl.optimizer_step, chat_rl.policy_gradient_backward = saved
+    if os.environ.get("RANK", "0") != "0":  # rank 0 writes the log
+        return steps
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     rows = [row for row in rows if row.get("split") != "eval"]  # a row a step, no eval
     for step, row in zip(steps, rows, strict=True):
         step["row"] = row
     return steps
+
+
+def steps_on_ranks(ranks, out_dir, *flags, num_steps=1):
+    """steps_of_train on `ranks` processes of one machine, as torchrun would start them (gloo):
+    each step's rollout and advantages of every rank, in rank order (the step's problems in
+    order), with rank 0's L, gradient, weights and row, and "rank_weights", every rank's weights
+    after the step."""
+    port = free_port()
+    mp.start_processes(on_a_rank, args=(ranks, port, out_dir, flags, num_steps), nprocs=ranks,
+                       join=True, start_method="spawn")  # fmt: skip
+    each = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(ranks)]
+    steps = each[0]
+    for s, step in enumerate(steps):
+        outs = [rank[s]["out"] for rank in each]
+        step["out"] = {key: sum((out[key] for out in outs), []) for key in step["out"]}
+        step["advantages"] = torch.cat([rank[s]["advantages"] for rank in each])
+        step["rank_weights"] = [rank[s]["weights"] for rank in each]
+    return steps
+
+
+def on_a_rank(rank, ranks, port, out_dir, flags, num_steps):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    if rank:  # one console: rank 0's
+        sys.stdout = open(os.devnull, "w")
+    steps = steps_of_train(out_dir, *flags, num_steps=num_steps)
+    torch.save(steps, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def first_step_of_train(out_dir, *flags):
@@ -186,11 +226,15 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=1, help="processes, as torchrun's; 1 or 2")
     args = parser.parse_args(argv)
     flags = [f"--seed={args.seed}", f"--temperature={args.temperature}",
              f"--grad-clip={args.grad_clip}"]  # fmt: skip
     with tempfile.TemporaryDirectory() as out_dir:  # the run's checkpoint and log: not kept
-        steps = steps_of_train(out_dir, *flags, num_steps=args.num_steps)
+        if args.ranks == 1:
+            steps = steps_of_train(out_dir, *flags, num_steps=args.num_steps)
+        else:
+            steps = steps_on_ranks(args.ranks, out_dir, *flags, num_steps=args.num_steps)
     model, _ = checkpoint.load_policy("demo_model", "cpu")
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}  # step 0 starts here
     adam, peak_lr = {"count": 0}, chat_rl.PRESETS["demo"]["lr"]
@@ -198,14 +242,20 @@ def main(argv=None):
     settings = (adamw["betas"], adamw["eps"], adamw["weight_decay"], adamw["fused"])
     expected = ((0.9, 0.95), 1e-08, 0.0, True)
     failed = [] if settings == expected else ["AdamW's settings"]
-    print(f"\nthe demo, {args.num_steps} steps ({' '.join(flags)}): the docstring's formulas by "
-          f"hand beside the run's; AdamW's betas, eps, weight decay, fused: {settings} "
+    print(f"\nthe demo, {args.num_steps} steps on {args.ranks} rank(s) ({' '.join(flags)}): the "
+          f"docstring's formulas by hand beside the run's; AdamW's betas, eps, weight decay, "
+          f"fused: {settings} "
           f"({'yes' if settings == expected else 'NO, not ' + str(expected)})")  # fmt: skip
     for s, step in enumerate(steps):
         hand = by_hand(step, weights, adam, s, args.num_steps, peak_lr, args.temperature,
                        args.grad_clip)  # fmt: skip
         weights = step["weights"]  # the next step starts where the run's ended
         rows = compare(step, hand)
+        if "rank_weights" in step:  # the gradients summed over ranks: every rank the same update
+            same = all(torch.equal(w[n], step["weights"][n])
+                       for w in step["rank_weights"] for n in w)  # fmt: skip
+            rows.append(("ranks", "one update on every rank", "the same weights",
+                         "the same" if same else "they differ", same))  # fmt: skip
         table = [(f"step {s}", "the docstring's formula", "by hand", "the run's", "agree")]
         table += [(*map(str, row[:-1]), "yes" if row[-1] else "NO") for row in rows]
         widths = [max(len(row[c]) for row in table) for c in range(5)]

@@ -8,7 +8,7 @@ import torch
 import chat_rl
 from scripts import check_step
 
-ROWS = "sampling A N kept_tokens L gradient lr update".split()
+ROWS = "sampling A N kept_tokens L gradient lr update".split()  # and "ranks" on several
 
 
 def tables(out):
@@ -17,7 +17,7 @@ def tables(out):
     for line in out.splitlines():
         if line.startswith("step ") and "the docstring's formula" in line:  # a table's header
             steps.append({})
-        elif steps and line.split() and line.split()[0] in ROWS:
+        elif steps and line.split() and line.split()[0] in (*ROWS, "ranks"):
             what, *_, agree = line.split()
             steps[-1][what] = (line, agree)
     return steps
@@ -36,6 +36,15 @@ def test_the_run_agrees_with_the_formulas_by_hand(flags, capsys):
     assert "fused: ((0.9, 0.95), 1e-08, 0.0, True) (yes)" in out
     if not flags:  # the default seed's step 2 has no group with signal: the skip is checked too
         assert [" skip " in step["update"][0] for step in steps] == [False, False, True]
+
+
+def test_two_ranks_agree_with_the_formulas_over_all_their_rows(capsys):
+    # each rank samples its share of the step's problems; N, L and the gradient are the step's, on
+    # every rank, and both ranks take one update
+    assert check_step.main(["--ranks=2", "--num-steps=2"]) == 0
+    steps = tables(capsys.readouterr().out)
+    assert len(steps) == 2 and all(sorted(step) == sorted([*ROWS, "ranks"]) for step in steps)
+    assert all(agree == "yes" for step in steps for _, agree in step.values())
 
 
 def test_a_run_that_divides_by_another_n_is_caught(monkeypatch, capsys):
