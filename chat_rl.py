@@ -39,7 +39,7 @@ One optimizer step s at the default flags, as each rank runs it:
   5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N         (backward: the kept rows alone)
   6  gradients = their sum over ranks                       (not the mean: N counts every rank's)
      lr = --lr x (1 - s / num_steps)                        (s = 0, 1, ...; no warmup)
-     clip the gradient's norm to 1
+     clip: the gradient times min(1, 1 / (its norm + 1e-6))
      if L and the norm are finite and kept_tokens > 0: AdamW step (fused, betas (0.9, 0.95), eps
          1e-8, no weight decay)
   7  every eval_every steps: held-out greedy accuracy and pass@1..k at temperature 1

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import chat_rl
+from plumbing import checkpoint
 from scripts import check_step
 
-ROWS = "sampling A N kept_tokens L gradient lr update".split()  # and "ranks" on several
+ROWS = "sampling A rows calculator N kept_tokens L gradient lr update".split()  # "ranks" on several
 
 
 def tables(out):
@@ -49,7 +50,7 @@ def test_two_ranks_agree_with_the_formulas_over_all_their_rows(capsys):
 
 def test_a_run_that_divides_by_another_n_is_caught(monkeypatch, capsys):
     # N counting the kept rows' tokens alone (--loss-norm=kept_tokens's) where the docstring's
-    # counts every row's: L and the gradient grow by N / kept_tokens
+    # counts every row's: the divisor differs, and L and the gradient grow by N / kept_tokens
     normaliser = chat_rl.normaliser
     monkeypatch.setattr(
         chat_rl, "normaliser", lambda tokens, kept, loss_norm, device: normaliser(
@@ -57,8 +58,8 @@ def test_a_run_that_divides_by_another_n_is_caught(monkeypatch, capsys):
     )  # fmt: skip
     assert check_step.main(["--num-steps=1"]) == 1
     (step,) = tables(capsys.readouterr().out)
-    assert step["L"][1] == step["gradient"][1] == "NO"
-    assert step["sampling"][1] == step["A"][1] == step["N"][1] == "yes"
+    assert step["N"][1] == step["L"][1] == step["gradient"][1] == "NO"  # N: the divisor used
+    assert step["sampling"][1] == step["A"][1] == step["kept_tokens"][1] == "yes"
 
 
 def test_a_run_whose_advantage_drops_the_baseline_is_caught(monkeypatch, capsys):
@@ -83,3 +84,31 @@ def test_a_run_that_steps_without_signal_is_caught(monkeypatch, capsys):
     assert check_step.main([]) == 1
     steps = tables(capsys.readouterr().out)
     assert [step["update"][1] for step in steps] == ["yes", "yes", "NO"]
+
+
+def test_rows_that_end_or_take_results_otherwise_than_step_2_are_caught():
+    # the demo's byte tokenizer: a row of prompt "Q:" then a reply; mask 1 where the policy drew
+    _, tokenizer = checkpoint.load_policy("demo_model", "cpu")
+    stop = min(tokenizer.stop_tokens)
+
+    def row(reply, forced=()):  # forced: the reply's positions the calculator wrote
+        tokens = tokenizer.encode(reply) if isinstance(reply, str) else reply
+        mask = [0, 0] + [int(j not in forced) for j in range(len(tokens))]
+        return tokenizer.encode("Q:") + tokens, mask, len(tokens)
+
+    def check(*rows):
+        out = dict(zip(("sequences", "masks", "tokens"), map(list, zip(*rows))))
+        ends, written = check_step.rows_as_step_2_says(out, tokenizer)
+        return [good for _, good in ends], [good for _, good in written]
+
+    call = tokenizer.encode("<<6*5=")
+    result = tokenizer.encode("30>>")
+    good = row([*call, *result, stop], forced=range(len(call), len(call) + len(result)))
+    assert check(good) == ([True], [True])
+    wrong = row([*call, *tokenizer.encode("31>>"), stop],
+                forced=range(len(call), len(call) + len(result)))  # fmt: skip
+    assert check(wrong) == ([True], [False])
+    stopped_early = row([stop, *tokenizer.encode("ab"), stop])  # a stop token before the last
+    short = row(tokenizer.encode("ab"))  # no stop token, and not at the budget
+    full = row(tokenizer.encode("a" * check_step.MAX_NEW_TOKENS))
+    assert check(stopped_early, short, full)[0] == [False, False, True]
