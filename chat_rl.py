@@ -7,7 +7,7 @@ beat their group's average get their log-probability raised, the others lowered.
 The algorithm is the symbols, the step and its notes below, then plain_step() (past the
 hyperparameters): the step in under fifty lines of plain torch. tests/test_plain_step.py holds the
 run (train_step()) to it: rewards, loss, gradient and update, on the demo, one rank, fp32; and
-plain_step on two ranks to one; python -m scripts.check_step prints the run's first three steps
+plain_step on two ranks to one; python -m scripts.check_step prints the run's first four steps
 beside these formulas worked by hand. The run's fast paths, engine.Engine and fast/, need not be
 read to trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the
 plain generate_reference and plain_logprobs.

@@ -1,22 +1,23 @@
 """
 The run's first steps on the demo beside chat_rl.py's docstring, every number worked out again:
 
-    python -m scripts.check_step                          # 3-60 s on 2 CPU cores
+    python -m scripts.check_step                          # 5-60 s on 2 CPU cores
     python -m scripts.check_step --ranks=2                # two ranks, as torchrun starts them
-    python -m scripts.check_step --seed=1 --temperature=1.5 --grad-clip=0.05 --num-steps=4
+    python -m scripts.check_step --seed=1 --temperature=1.5 --grad-clip=0.05 --num-steps=2
 
-It runs train() for --num-steps steps (3; 4 problems x 4 samples of up to 40 new tokens,
+It runs train() for --num-steps steps (4; 4 problems x 4 samples of up to 40 new tokens,
 micro-batches of 5 rows), records what each step sampled, its advantages, L, gradient, lr and
 update, then recomputes each from the docstring's formulas in the plain torch below, none of
 chat_rl's functions in it: each drawn token from the model over the whole row and the problem's u
-table, each row's end and calculator results, A from the rewards, N (beside the divisor the loss
+table, each row's end and calculator call, A from the rewards, N (beside the divisor the loss
 used) and kept_tokens from the masks, L and its gradient from the model's log-softmax, the lr from
-the schedule, AdamW's step (its moments kept by hand) or the skip. Each
-step starts from the weights the run's last one ended at. It prints a table a step and exits 1
-where they disagree; at the default seed, step 2 has no group with signal and shows the skip.
-With --ranks=2 each rank samples its share of the step's problems, and the formulas run over all
-their rows: N, L and the gradient are the step's on both, and both ranks' weights must be one.
-steps_of_train, the recorder, is the tests' too (tests/test_plain_step.py, test_fork.py).
+the schedule, and AdamW's step on the run's gradient (its moments and count kept by hand) or the
+skip. Each step starts from the weights the run's last one ended at. It prints a table a step and
+exits 1 where they disagree, 2 if the run itself stops; at the default seed step 2 has no group
+with signal, so the skip and the AdamW step after it are both checked. With --ranks=2 each rank
+samples its share of the step's problems, and the formulas run over all their rows: N, L and the
+gradient are the step's on both, and both ranks' weights must be one. steps_of_train and
+first_step_of_train, the recorders, are the tests' too (tests/test_plain_step.py, test_fork.py).
 """
 
 import argparse
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import chat_rl  # noqa: E402
 from calculator import calculate  # noqa: E402
+from engine import CALL  # noqa: E402
 from plumbing import checkpoint  # noqa: E402
 from plumbing.data import derive_seed  # noqa: E402
 
@@ -47,6 +49,8 @@ def steps_of_train(out_dir, *flags, num_steps=1):
     "adamw": AdamW's settings, "grads": the gradient it stepped with
     (summed over ranks, clipped), "weights": the weights after it, "row": its train row of
     metrics.jsonl}. Its recorders are patched in for the run alone."""
+    if any(flag.startswith("--refill") for flag in flags):  # its rounds: several rollouts a step
+        raise ValueError("steps_of_train records one rollout a step, not --refill's rounds")
     steps = []
     rollout, optimizer_step = chat_rl.rollout, chat_rl.optimizer_step
     backward, normaliser = chat_rl.policy_gradient_backward, chat_rl.normaliser
@@ -85,10 +89,12 @@ def steps_of_train(out_dir, *flags, num_steps=1):
     for name, recorder in zip(names, recorders):
         setattr(chat_rl, name, recorder)
     try:
-        assert chat_rl.main(argv) == 0, "the run did not end well"
+        code = chat_rl.main(argv)
     finally:
         for name, function in zip(names, saved):
             setattr(chat_rl, name, function)
+    if code != 0:
+        raise RuntimeError(f"chat_rl exited {code}")
     if os.environ.get("RANK", "0") != "0":  # rank 0 writes the log
         return steps
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -170,7 +176,7 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
                 j = t - prompt  # the reply position, u's column
                 v = int((cumsum > u[i % K, j] * cumsum[-1]).nonzero()[0])
             redrawn, differ = redrawn + 1, differ + (v != row[t])
-    ends, written = rows_as_step_2_says(out, tokenizer)
+    ends, calls = rows_as_step_2_says(out, tokenizer)
     N, kept_tokens = sum(sizes), sum(size for size, k in zip(sizes, kept) if k)
     L = -total / N
     if L.requires_grad:  # no row with signal: no term, no gradient
@@ -179,7 +185,10 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
              for n, p in model.named_parameters()}  # fmt: skip
     norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
     scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0  # torch's clip rule
-    # 6. lr falls linearly; AdamW steps unless no group has signal or a number is not finite
+    # 6. lr falls linearly; AdamW steps unless no group has signal or a number is not finite. Its
+    # step is worked from the run's own clipped gradient (the gradient row above checks that one):
+    # near AdamW's eps a gradient's last bits move a weight by a tenth of lr, and this row checks
+    # the update itself (its moments, bias corrections, count across skips) to rounding
     lr = peak_lr * (1 - s / num_steps)
     beta1, beta2 = step["adamw"]["betas"]
     eps, decay = step["adamw"]["eps"], step["adamw"]["weight_decay"]
@@ -187,44 +196,50 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
     adam["count"] += takes  # a skipped step leaves AdamW's count
     updated = {}
     for n, p in model.named_parameters():
-        g = grads[n] = grads[n] * scale
+        grads[n] = grads[n] * scale
+        g = step["grads"][n]
         if not takes:
             updated[n] = p.detach().clone()
             continue
         m = adam.setdefault(("m", n), torch.zeros_like(g)).mul_(beta1).add_((1 - beta1) * g)
         v = adam.setdefault(("v", n), torch.zeros_like(g)).mul_(beta2).add_((1 - beta2) * g * g)
+        # m_hat / (sqrt(v_hat) + eps), m_hat and v_hat the moments over their bias corrections
         m_hat, v_hat = m / (1 - beta1 ** adam["count"]), v / (1 - beta2 ** adam["count"])
         updated[n] = p.detach() * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
     return dict(A=A, N=N, kept_tokens=kept_tokens, L=float(L.detach()), norm=norm, grads=grads,
                 weights=updated, lr=lr, takes=takes, redrawn=redrawn, differ=differ, ends=ends,
-                written=written)  # fmt: skip
+                calls=calls)  # fmt: skip
 
 
 def rows_as_step_2_says(out, tokenizer):
-    """(rows ending as step 2 says, calculator results as it says): a row ends at its one sampled
-    stop token, its last, or has no stop token and max_new_tokens reply tokens; each run of mask-0
-    reply tokens is calculate(the expression after the last '<<') + '>>', cut only by the budget.
-    Each a list of (row, good)."""
-    ends, written = [], []
+    """(rows ending as step 2 says, calculator calls answered as it says), each a list of (row,
+    good). A row ends at its one sampled stop token, its last, or has no stop token and
+    max_new_tokens reply tokens. A call is sampled text ending in '<<expression=' (engine.CALL):
+    calculate(expression) + '>>' follows it, forced (mask 0), cut only by the budget; nothing is
+    forced after a refused expression, and nowhere else."""
+    ends, calls = [], []
     for i, (row, mask) in enumerate(zip(out["sequences"], out["masks"])):
         n = out["tokens"][i]
         reply, drawn = row[len(row) - n :], mask[len(row) - n :]
         stops = [j for j, token in enumerate(reply) if token in tokenizer.stop_tokens and drawn[j]]
         ends.append((i, stops == [n - 1] or (not stops and n == MAX_NEW_TOKENS)))
-        j = 0
-        while j < n:  # a run of forced tokens from j to k
-            if drawn[j]:
-                j += 1
+        text, j = "", 0
+        while j < n:
+            if not drawn[j]:  # a forced token with no call before it
+                calls.append((i, False))
+                break
+            text += tokenizer.decode(reply[j : j + 1])  # a token at a time, as the Engine reads
+            j += 1
+            if not (text.endswith("=") and CALL.search(text)):
                 continue
-            k = next((k for k in range(j, n) if drawn[k]), n)
-            before = tokenizer.decode(reply[:j])
-            result = calculate(before[before.rfind("<<") + 2 : -1])
-            wanted, got = f"{result}>>", tokenizer.decode(reply[j:k])
-            cut = k == n == MAX_NEW_TOKENS  # the budget ran out mid-result
-            good = before.endswith("=") and result is not None
-            written.append((i, good and (got == wanted or (cut and wanted.startswith(got)))))
-            j = k
-    return ends, written
+            k = next((k for k in range(j, n) if drawn[k]), n)  # the forced run after the call
+            result = calculate(text[text.rfind("<<") + 2 : -1])
+            wanted = "" if result is None else f"{result}>>"
+            got = tokenizer.decode(reply[j:k])
+            cut = k == n == MAX_NEW_TOKENS  # the budget ran out mid-result, or before it
+            calls.append((i, got == wanted or (cut and wanted.startswith(got))))
+            text, j = text + got, k
+    return ends, calls
 
 
 def compare(step, hand):
@@ -235,8 +250,6 @@ def compare(step, hand):
     grad_diff = max(float((hand["grads"][n] - g).abs().max()) for n, g in step["grads"].items())
     grads_agree = all(torch.allclose(hand["grads"][n], g, rtol=1e-4, atol=1e-7)
                       for n, g in step["grads"].items())  # fmt: skip
-    # where |g| is far above eps a weight moves by about lr; near eps the gradient's last bits
-    # move it by up to a tenth of lr (tests/test_plain_step.py says why)
     moved = max(float((hand["weights"][n] - w).abs().max()) for n, w in step["weights"].items())
     A_diff = float((hand["A"] - step["advantages"]).abs().max())
     return [
@@ -245,27 +258,27 @@ def compare(step, hand):
         ("A", "r - mean of r over the group", f"{int((hand['A'] != 0).sum())} rows nonzero",
          f"largest difference {A_diff:g}", A_diff == 0),
         ("rows end", "at a sampled stop token, or the budget",
-         f"{sum(good for _, good in hand['ends'])} of {len(hand['ends'])} rows", "its rows",
+         f"{sum(good for _, good in hand['ends'])} of {len(hand['ends'])} rows", "the run's rows",
          all(good for _, good in hand["ends"])),
         ("calculator", "'<<48/2=' gets '24>>', mask 0",
-         f"{sum(good for _, good in hand['written'])} of {len(hand['written'])} results",
-         "its rows",
-         all(good for _, good in hand["written"])),
+         f"{sum(good for _, good in hand['calls'])} of {len(hand['calls'])} calls",
+         "the run's rows",
+         all(good for _, good in hand["calls"])),
         ("N", "sum_j size(S_j), every row", hand["N"],
          f"divided by {step.get('N')}, sampled_tokens {run_row['sampled_tokens']}",
          hand["N"] == step.get("N") == run_row["sampled_tokens"]),
         ("kept_tokens", "the same, groups with signal", hand["kept_tokens"],
          run_row["kept_tokens"], hand["kept_tokens"] == run_row["kept_tokens"]),
-        ("L", "-sum_i sum_{t in S_i} A_i logp_it / N", f"{hand['L']:.10f}", f"{step['loss']:.10f}",
+        ("L", "-sum_i sum_{t in S_i} A_i logp_it / N", f"{hand['L'] + 0.0:.10f}",
+         f"{step['loss'] + 0.0:.10f}",
          math.isclose(hand["L"], step["loss"], rel_tol=1e-5, abs_tol=1e-12)),
         ("gradient", "dL/dw, norm clipped", f"norm {hand['norm']:.6f}",
          f"grad_norm {run_row['grad_norm']:.6f}, within {grad_diff / largest:.0e} x the largest",
          grads_agree and math.isclose(hand["norm"], run_row["grad_norm"], rel_tol=1e-4)),
         ("lr", "--lr x (1 - s / num_steps)", f"{lr:g}", f"{step['lr']:g}",
          math.isclose(step["lr"], lr, rel_tol=1e-12)),
-        ("update", "AdamW's, or none (the skip)", "step" if hand["takes"] else "skip",
-         f"largest difference {moved / lr:.3f} x lr (up to 0.1: g's last bits near eps)",
-         moved <= 0.1 * lr),
+        ("update", "AdamW on the run's gradient, or none", "steps" if hand["takes"] else "skips",
+         f"largest difference {moved / lr:.0e} x lr (rounding: up to 1e-3)", moved <= 1e-3 * lr),
     ]  # fmt: skip
 
 
@@ -274,16 +287,22 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--num-steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=1, help="processes, as torchrun's; 1 or 2")
+    parser.add_argument("--num-steps", type=int, default=4, help="steps, 1 at least")
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2), help="processes")
     args = parser.parse_args(argv)
+    if args.num_steps < 1 or not args.temperature > 0:
+        parser.error("--num-steps is 1 at least and --temperature above 0")
     flags = [f"--seed={args.seed}", f"--temperature={args.temperature}",
              f"--grad-clip={args.grad_clip}"]  # fmt: skip
     with tempfile.TemporaryDirectory() as out_dir:  # the run's checkpoint and log: not kept
-        if args.ranks == 1:
-            steps = steps_of_train(out_dir, *flags, num_steps=args.num_steps)
-        else:
-            steps = steps_on_ranks(args.ranks, out_dir, *flags, num_steps=args.num_steps)
+        try:
+            if args.ranks == 1:
+                steps = steps_of_train(out_dir, *flags, num_steps=args.num_steps)
+            else:
+                steps = steps_on_ranks(args.ranks, out_dir, *flags, num_steps=args.num_steps)
+        except (RuntimeError, mp.ProcessRaisedException) as e:  # the run's own error is above
+            print(f"check_step: the run did not finish, nothing to compare ({e})", file=sys.stderr)
+            return 2
     model, _ = checkpoint.load_policy("demo_model", "cpu")
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}  # step 0 starts here
     adam, peak_lr = {"count": 0}, chat_rl.PRESETS["demo"]["lr"]
@@ -291,7 +310,8 @@ def main(argv=None):
     settings = (adamw["betas"], adamw["eps"], adamw["weight_decay"], adamw["fused"])
     expected = ((0.9, 0.95), 1e-08, 0.0, True)
     failed = [] if settings == expected else ["AdamW's settings"]
-    print(f"\nthe demo, {args.num_steps} steps on {args.ranks} rank(s) ({' '.join(flags)}): the "
+    ranks = "1 rank" if args.ranks == 1 else f"{args.ranks} ranks"
+    print(f"\nthe demo, {args.num_steps} steps on {ranks} ({' '.join(flags)}): the "
           f"docstring's formulas by hand beside the run's; AdamW's betas, eps, weight decay, "
           f"fused: {settings} "
           f"({'yes' if settings == expected else 'NO, not ' + str(expected)})")  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import chat_rl
+import plumbing.start
 from plumbing import checkpoint
 from scripts import check_step
 
@@ -31,12 +32,13 @@ def test_the_run_agrees_with_the_formulas_by_hand(flags, capsys):
     assert check_step.main(flags) == 0
     out = capsys.readouterr().out
     steps = tables(out)
-    assert len(steps) == (2 if flags else 3)
+    assert len(steps) == (2 if flags else 4)
     assert all(sorted(step) == sorted(ROWS) for step in steps)
     assert all(agree == "yes" for step in steps for _, agree in step.values())
     assert "fused: ((0.9, 0.95), 1e-08, 0.0, True) (yes)" in out
-    if not flags:  # the default seed's step 2 has no group with signal: the skip is checked too
-        assert [" skip " in step["update"][0] for step in steps] == [False, False, True]
+    if not flags:  # the default seed's step 2 has no group with signal: the skip, and AdamW's
+        # count after it (step 3's bias correction), are checked too
+        assert [" skips " in step["update"][0] for step in steps] == [False, False, True, False]
 
 
 def test_two_ranks_agree_with_the_formulas_over_all_their_rows(capsys):
@@ -81,9 +83,23 @@ def test_a_run_that_steps_without_signal_is_caught(monkeypatch, capsys):
         return optimizer_step(model, optimizer, lr, grad_clip, loss, max(kept_tokens, 1))
 
     monkeypatch.setattr(chat_rl, "optimizer_step", stepping)
-    assert check_step.main([]) == 1
+    assert check_step.main(["--num-steps=3"]) == 1
     steps = tables(capsys.readouterr().out)
     assert [step["update"][1] for step in steps] == ["yes", "yes", "NO"]
+
+
+def test_a_run_whose_calculator_answers_no_call_is_caught(monkeypatch, capsys):
+    # the Engine's tool refusing every expression: the calls stay unanswered, nothing is forced
+    monkeypatch.setattr(plumbing.start, "calculate", lambda expression: None)
+    assert check_step.main(["--num-steps=1"]) == 1
+    (step,) = tables(capsys.readouterr().out)
+    assert step["calculator"][1] == "NO" and step["sampling"][1] == "yes"
+
+
+def test_a_run_that_stops_is_told_apart_from_a_disagreement(monkeypatch, capsys):
+    monkeypatch.setattr(chat_rl, "main", lambda argv: 1)  # its own error already printed
+    assert check_step.main(["--num-steps=1"]) == 2
+    assert "the run did not finish" in capsys.readouterr().err
 
 
 def test_rows_that_end_or_take_results_otherwise_than_step_2_are_caught():
@@ -111,4 +127,7 @@ def test_rows_that_end_or_take_results_otherwise_than_step_2_are_caught():
     stopped_early = row([stop, *tokenizer.encode("ab"), stop])  # a stop token before the last
     short = row(tokenizer.encode("ab"))  # no stop token, and not at the budget
     full = row(tokenizer.encode("a" * check_step.MAX_NEW_TOKENS))
-    assert check(stopped_early, short, full)[0] == [False, False, True]
+    stopped_at_the_budget = row([*tokenizer.encode("a" * (check_step.MAX_NEW_TOKENS - 1)), stop])
+    assert check(stopped_early, short, full, stopped_at_the_budget)[0] == [False, False, True, True]
+    unanswered = row([*call, *tokenizer.encode("30>>"), stop])  # drawn, not forced: no result
+    assert check(unanswered)[1] == [False]
