@@ -39,7 +39,7 @@ One optimizer step s at the default flags, as each rank runs it:
   5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N         (backward: the kept rows alone)
   6  gradients = their sum over ranks                       (not the mean: N counts every rank's)
      lr = --lr x (1 - s / num_steps)                        (s = 0, 1, ...; no warmup)
-     clip: the gradient times min(1, 1 / (its norm + 1e-6))
+     clip: the gradient times min(1, --grad-clip / (its norm + 1e-6)), --grad-clip being 1
      if L and the norm are finite and kept_tokens > 0: AdamW step (fused, betas (0.9, 0.95), eps
          1e-8, no weight decay)
   7  every eval_every steps: held-out greedy accuracy and pass@1..k at temperature 1
@@ -76,7 +76,8 @@ Notes, step by step, each with the code that holds it ("plain:" plain_step's, "r
      --lr with --lora-rank. kept_tokens is 0 when no group has signal, or their rows sampled no
      token: a skip (the lr moves on, AdamW's step count not). --max-nonfinite (5) non-finite
      updates in a row stop the run.
-     plain and run: plumbing/distributed.sync_gradients, optimizer_step(), plumbing/start.adamw
+     plain and run: plumbing/distributed.sync_gradients (under --fsdp the reduce-scatter sums
+     instead: plumbing/fsdp.py), optimizer_step(), plumbing/start.adamw
   7  run: plumbing/evaluation.py
 Under --dtype=bf16 (a GPU's default) the run's numbers round otherwise than plain_step's fp32, and
 the sampler's log-probs otherwise than the loss's (--rollout-correction weighs that). The options,

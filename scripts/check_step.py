@@ -185,6 +185,7 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
              for n, p in model.named_parameters()}  # fmt: skip
     norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
     scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0  # torch's clip rule
+    clip = "acts" if scale < 1 else "idle"  # the demo's norms: 0.1-0.2, below the default 1
     # 6. lr falls linearly; AdamW steps unless no group has signal or a number is not finite. Its
     # step is worked from the run's own clipped gradient (the gradient row above checks that one):
     # near AdamW's eps a gradient's last bits move a weight by a tenth of lr, and this row checks
@@ -208,7 +209,7 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
         updated[n] = p.detach() * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
     return dict(A=A, N=N, kept_tokens=kept_tokens, L=float(L.detach()), norm=norm, grads=grads,
                 weights=updated, lr=lr, takes=takes, redrawn=redrawn, differ=differ, ends=ends,
-                calls=calls)  # fmt: skip
+                calls=calls, clip=clip)  # fmt: skip
 
 
 def rows_as_step_2_says(out, tokenizer):
@@ -272,7 +273,7 @@ def compare(step, hand):
         ("L", "-sum_i sum_{t in S_i} A_i logp_it / N", f"{hand['L'] + 0.0:.10f}",
          f"{step['loss'] + 0.0:.10f}",
          math.isclose(hand["L"], step["loss"], rel_tol=1e-5, abs_tol=1e-12)),
-        ("gradient", "dL/dw, norm clipped", f"norm {hand['norm']:.6f}",
+        ("gradient", "dL/dw, norm clipped", f"norm {hand['norm']:.6f}, clip {hand['clip']}",
          f"grad_norm {run_row['grad_norm']:.6f}, within {grad_diff / largest:.0e} x the largest",
          grads_agree and math.isclose(hand["norm"], run_row["grad_norm"], rel_tol=1e-4)),
         ("lr", "--lr x (1 - s / num_steps)", f"{lr:g}", f"{step['lr']:g}",
