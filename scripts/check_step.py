@@ -146,12 +146,17 @@ def first_step_of_train(out_dir, *flags):
     return steps_of_train(out_dir, *flags)[0]
 
 
-def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
+def by_hand(step, model, tokenizer, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
     """Step s of the docstring from the run's recorded rollout, in plain torch, from the weights
-    the step started at and AdamW's moments by hand (adam, updated in place): a dict of numbers."""
-    model, tokenizer = checkpoint.load_policy("demo_model", "cpu")
+    the step started at (loaded into model) and AdamW's moments by hand (adam, updated in place):
+    a dict of numbers."""
     model.load_state_dict(weights, strict=False)  # the step's starting weights (tied head: one)
+    model.zero_grad(set_to_none=True)
     out, K = step["out"], NUM_SAMPLES
+    # 2. each problem's u table, (K, max_new_tokens), from its place in the step
+    streams = [derive_seed(step["seed"], g) for g in range(len(out["sequences"]) // K)]
+    u_of = [torch.rand(K, MAX_NEW_TOKENS, generator=torch.Generator().manual_seed(seed))
+            for seed in streams]  # fmt: skip
     # 4. A = r - the mean of r over the row's group, exactly 0 for a unanimous group
     r = torch.tensor(out["total"]).view(-1, K)
     A = (r - r.mean(dim=1, keepdim=True)).masked_fill(r.amax(1, True) == r.amin(1, True), 0.0)
@@ -164,9 +169,7 @@ def by_hand(step, weights, adam, s, num_steps, peak_lr, temperature, grad_clip):
         logits = model(torch.tensor([row]))[0, :, : tokenizer.vocab_size].float()  # (len, V)
         logp = torch.log_softmax(logits / temperature, dim=-1)
         prompt = len(row) - out["tokens"][i]  # the reply's tokens follow the prompt's
-        # 2. the problem's u table, (K, max_new_tokens), from its place in the step
-        stream = torch.Generator().manual_seed(derive_seed(step["seed"], i // K))
-        u = torch.rand(K, MAX_NEW_TOKENS, generator=stream)
+        u = u_of[i // K]
         for t in range(1, len(row)):
             if not mask[t]:  # the prompt, or a calculator result written in
                 continue
@@ -304,7 +307,7 @@ def main(argv=None):
         except (RuntimeError, mp.ProcessRaisedException) as e:  # the run's own error is above
             print(f"check_step: the run did not finish, nothing to compare ({e})", file=sys.stderr)
             return 2
-    model, _ = checkpoint.load_policy("demo_model", "cpu")
+    model, tokenizer = checkpoint.load_policy("demo_model", "cpu")  # by_hand's, loaded once
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}  # step 0 starts here
     adam, peak_lr = {"count": 0}, chat_rl.PRESETS["demo"]["lr"]
     adamw = steps[0]["adamw"]
@@ -317,8 +320,8 @@ def main(argv=None):
           f"fused: {settings} "
           f"({'yes' if settings == expected else 'NO, not ' + str(expected)})")  # fmt: skip
     for s, step in enumerate(steps):
-        hand = by_hand(step, weights, adam, s, args.num_steps, peak_lr, args.temperature,
-                       args.grad_clip)  # fmt: skip
+        hand = by_hand(step, model, tokenizer, weights, adam, s, args.num_steps, peak_lr,
+                       args.temperature, args.grad_clip)  # fmt: skip
         weights = step["weights"]  # the next step starts where the run's ended
         rows = compare(step, hand)
         if "rank_weights" in step:  # the gradients summed over ranks: every rank the same update
