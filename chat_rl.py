@@ -4,84 +4,74 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-The algorithm is the symbols, the step and its notes below, then plain_step() (past the
-hyperparameters): the step in under fifty lines of plain torch. tests/test_plain_step.py holds the
-run (train_step()) to it: rewards, loss, gradient and update, on the demo, one rank, fp32; and
-plain_step on two ranks to one; python -m scripts.check_step prints the run's first four steps
-beside these formulas worked by hand. The run's fast paths, engine.Engine and fast/, need not be
-read to trust it: tests/test_reference_sampler.py and tests/test_fast_logprobs.py hold them to the
-plain generate_reference and plain_logprobs.
+This docstring is the algorithm. plain_step(), below the hyperparameters, is the same step in fifty
+lines of plain torch; train_step() is the run's step, with the options and the fast paths.
+tests/test_plain_step.py holds the run to plain_step, and `python -m scripts.check_step` prints the
+run's first steps beside the formulas below, worked by hand. The fast sampler (engine.Engine) and
+the fast log-probs (fast/) have tests that hold them to plain versions: you need not read them.
 
-Symbols, on one rank (a torchrun process; a laptop has one), and [their names in the run]:
-  K        num_samples, the completions of a problem: its group
-  B        rows: this rank's problems x K, each a prompt's tokens then one completion's
-  T        the longest row's length - 1 [the run's passes: each its own B and T]
+Symbols, on one rank (one torchrun process; a laptop has one):
+  K        num_samples: the completions of one problem, its "group"
+  B        this rank's rows: its problems x K. A row is a prompt's tokens, then one completion's.
+  T        the longest row's length - 1 (each micro-batch of the run has its own B and T)
   mask     per row and token: 1 where the policy drew the token, 0 on the prompt and on the
-           calculator's results [rollout()'s out["masks"]]
-  S_i      the tokens row i sampled: mask[1:] == 1, as columns of a (B, T) tensor
-           [make_batch's targets >= 0; objective()'s batch.sampled]
-  r, A     (B,): the reward and the advantage of each row [out["total"]; step_advantages()]
-  logp     (B, T): column t holds the log-prob of a row's token t + 1 under softmax(logits /
-           temperature), predicted from token t; 0 off S_i [objective()'s logp]
-  N        one number: sum_j |S_j| over every row of the step on all ranks [normaliser()'s N_i,
-           N in each row's entry; objective()'s batch.normaliser; logged as sampled_tokens]
-  kept     the rows with gradient: groups whose A is not all 0, "with signal" [rows_with_gradient]
-  kept_tokens  sum_j |S_j| over the kept rows on all ranks [normaliser()'s; logged; not N]
+           calculator's results
+  S_i      the tokens row i sampled: the columns where mask[1:] == 1 (in code: targets >= 0)
+  r, A     (B,): each row's reward and advantage
+  logp     (B, T): column t is the log-prob of the row's token t + 1, predicted from token t, under
+           softmax(logits / temperature); 0 outside S_i
+  N        one number: sum_j |S_j|, the sampled tokens of every row of the step, on all ranks
+           (logged as sampled_tokens)
+  kept     the rows of the groups whose A is not all 0, "with signal" (rows_with_gradient);
+           kept_tokens is their sampled tokens on all ranks. It is not N.
 
 One optimizer step s at the default flags, as each rank runs it:
-  1  problems: this rank's equal, contiguous share of the next examples_per_step problems of the
-     epoch's permutation of the training set
-  2  for each problem, its rows k = 0 .. K-1, each reply position j until a stop token or budget:
+  1  problems: this rank's share of the next examples_per_step problems of the epoch's shuffle
+  2  for each problem, its rows k = 0 .. K-1, at each reply position j until a stop token or the
+     max_new_tokens budget:
          p = softmax(logits / temperature)
-         token = the first v with cumsum(p)[v] > u[k, j] x cumsum(p)[-1]
+         token = the first v with cumsum(p)[v] > u[k, j] * cumsum(p)[-1]
   3  r = 1 if the verifier finds the right final answer, else 0
-  4  A = r - the mean of r over the row's group             (exactly 0 for a unanimous group)
-  5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N         (backward: the kept rows alone)
-  6  gradients = their sum over ranks                       (not the mean: N counts every rank's)
-     lr = --lr x (1 - s / num_steps)                        (s = 0, 1, ...; no warmup)
-     clip: the gradient times min(1, --grad-clip / (its norm + 1e-6)), --grad-clip being 1
-     if L and the norm are finite and kept_tokens > 0: AdamW step (fused, betas (0.9, 0.95), eps
-         1e-8, no weight decay)
-  7  every eval_every steps: held-out greedy accuracy and pass@1..k at temperature 1
+  4  A = r - the mean of r over the row's group            (exactly 0 for a unanimous group)
+  5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N        (backward through the kept rows only)
+  6  gradients: summed over ranks                          (not averaged: N counts every rank's)
+     lr = --lr * (1 - s / num_steps)                       (s = 0, 1, ...; no warmup)
+     clip: the gradient times min(1, --grad-clip / (its norm + 1e-6)), --grad-clip = 1
+     AdamW step (fused, betas (0.9, 0.95), eps 1e-8, no weight decay), skipped when L or the
+     norm is not finite or kept_tokens is 0
+  7  every eval_every steps: held-out greedy accuracy, and pass@1..k at temperature 1
 
-The run's calls, in train_step(): problems_for_step (1), rollout() (2-3), step_advantages() (4),
-policy_gradient_backward() -> normaliser() and plumbing/passes.backward_passes() -> objective() (5),
-sync_gradients() and optimizer_step() (6).
-
-Notes, step by step, each with the code that holds it ("plain:" plain_step's, "run:" train_step's):
-  1  The step alone fixes the problems: a resumed run continues. plain and run:
-     plumbing/data.problems_for_step
-  2  u: a (K, max_new_tokens) table of U[0, 1) drawn in advance from the problem's own random
-     stream, seeded by its place in the step: a problem samples alike on 1 rank or 8. cumsum(p)[-1]
-     is 1 but for rounding. A stop token is any of the tokenizer's stop_tokens, kept and trained
-     like any token. The calculator writes a call's result in (`<<48/2=` gets `24>>`), a token a
-     position, counted in max_new_tokens, mask 0, that position's u unused.
-     plain: engine.generate_reference, the model over each whole row | run: rollout() ->
-     engine.Engine, a KV cache: the same tokens but where batching rounds a logit across a
-     token's boundary (tests/test_reference_sampler.py)
-  3  The verifiers: GSM8K's "#### <number>", MATH's \\boxed{}. A cut-off completion is graded as it
-     stands (without its answer: 0); a reward that raises gives 0.
-     plain: tasks/common.rewards | run: the same call, in rollout()
-  4  plain: compute_advantages | run: step_advantages, the same call
-  5  N counts a unanimous group's tokens, a cut-off completion's and the stop tokens; not the
-     prompt, the calculator's or padding. A row of prompt p0 p1, sampled a0, the calculator's c0,
-     sampled stop token s:
+Details that matter:
+  1  The step number alone picks the problems, so a resumed run continues where it stopped.
+  2  u is a (K, max_new_tokens) table of uniform numbers in [0, 1), drawn before sampling from the
+     problem's own random stream. That stream is seeded by the problem's place in the step, so a
+     problem samples the same tokens on 1 rank or 8. A stop token (any of the tokenizer's
+     stop_tokens) is sampled and trained like any other token. The calculator writes each call's
+     result in (`<<48/2=` gets `24>>`): those tokens have mask 0, count toward max_new_tokens, and
+     use no u.
+  3  A completion the budget cut off is graded as it stands (no final answer: 0). A reward
+     function that raises gives 0.
+  5  A row: prompt p0 p1, sampled a0, the calculator's c0, sampled stop token s.
          row p0 p1 a0 c0 s   mask 0 0 1 0 1   columns 0-3 predict p1 a0 c0 s   S_i = {1, 3}
-     tests/test_rl_math.py works N out by hand (two groups of two, N = 7).
-     plain: its step-5 lines, fast/logprobs.make_batch and plain_logprobs | run:
-     policy_gradient_backward -> objective()'s first branch, in passes over the kept rows, a
-     micro-batch at a time (plumbing/passes.py), each pass its own B and T, N in each entry of
-     N_i (B,) (normaliser())
-  6  The gradients are zeroed before the backward; L is summed over ranks too. --lora-lr replaces
-     --lr with --lora-rank. kept_tokens is 0 when no group has signal, or their rows sampled no
-     token: a skip (the lr moves on, AdamW's step count not). --max-nonfinite (5) non-finite
-     updates in a row stop the run.
-     plain and run: plumbing/distributed.sync_gradients (under --fsdp the reduce-scatter sums
-     instead: plumbing/fsdp.py), optimizer_step(), plumbing/start.adamw
-  7  run: plumbing/evaluation.py
-Under --dtype=bf16 (a GPU's default) the run's numbers round otherwise than plain_step's fp32, and
-the sampler's log-probs otherwise than the loss's (--rollout-correction weighs that). The options,
-each changing one step and off by default: plumbing/flags.py's docstring lists them by step.
+     N counts unanimous groups' tokens, cut-off completions' and stop tokens; not the prompt, the
+     calculator's tokens or padding. tests/test_rl_math.py works N out by hand (N = 7).
+  6  The gradients are zeroed before each backward. A skipped step still moves the lr on; AdamW's
+     step count does not move. --max-nonfinite (5) non-finite steps in a row stop the run.
+
+Where each step is in the code:
+  1    plumbing/data.problems_for_step, in both
+  2-3  plain_step: engine.generate_reference (the model over each whole row), tasks/common.rewards
+       run: rollout() -> engine.Engine, with a KV cache: the same tokens, but where batching
+       rounds a logit across a token's boundary (tests/test_reference_sampler.py)
+  4    compute_advantages; the run calls it through step_advantages()
+  5    plain_step: make_batch, plain_logprobs, one loss line
+       run: policy_gradient_backward() -> normaliser() (N) -> plumbing/passes.py (micro-batches
+       of kept rows) -> objective() (the loss)
+  6    plumbing/distributed.sync_gradients, then optimizer_step() (AdamW: plumbing/start.adamw)
+  7    the run: plumbing/evaluation.py
+Every option is off by default and changes one step: plumbing/flags.py's docstring lists them by
+step. Under --dtype=bf16 (a GPU's default) the numbers round differently from plain_step's fp32,
+and the sampler's log-probs from the loss's (--rollout-correction weighs that).
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -89,13 +79,12 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      is no reward model to over-optimise. (--kl-beta brings it back: k3 to the frozen start.)
   2. No importance ratio, no clipping. Every batch is sampled by the weights being updated and
      used for one step, so the ratio is 1 and the clip never acts: REINFORCE. (--ppo-epochs=2
-     brings them back: two updates a rollout, the second clipped; clip_frac counts clipped tokens.)
+     brings them back: two updates a rollout, the second clipped.)
   3. No z-score. Advantages are r - mean(r), not divided by the group's std, which would blow up
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (TRL's loss_type="dapo"): every token weighs the same whatever its
      completion's length, and steps shrink as groups turn unanimous (less left to learn).
-     (--loss-norm=sequence is GRPO's mean per completion; kept_tokens counts the groups with
-     signal alone, as the DAPO paper's batches, which hold only those, do.)
+     (--loss-norm=sequence is GRPO's mean per completion.)
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
@@ -229,11 +218,10 @@ PRESETS = dict(
                  lora_lr=3e-4, eval_every=10, eval_examples=64, eval_samples=16),
 )
 # fmt: on
-# objective()'s flags: train_step() hands it each one's value from the command line as batch.<name>.
-# Their defaults in HYPERPARAMETERS are their values when off, the one place those are written. An
-# objective flag of your own: its line in HYPERPARAMETERS, its name here, its bad values refused in
-# plumbing/flags.check_objective. A flag a kind of advantage reads is not one: step_advantages hands
-# it over (docs/objective.md, "A kind of advantage").
+# objective()'s flags: train_step() hands each one's value to it as batch.<name>. Their defaults in
+# HYPERPARAMETERS are their "off" values, written nowhere else. A flag of your own for objective():
+# its line in HYPERPARAMETERS, its name here, its bad values refused in
+# plumbing/flags.check_objective (a flag for a kind of advantage is not one: docs/objective.md).
 OBJECTIVE_FLAGS = (
     "kl_beta",
     "ppo_epochs",
@@ -249,21 +237,18 @@ OFF = {name: HYPERPARAMETERS[name][0] for name in OBJECTIVE_FLAGS}
 def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new_tokens,
                temperature, seed, step, num_steps, peak_lr, tool, grad_clip=1.0,
                first_id=0):  # fmt: skip
-    """Steps 2-6 in plain torch at the default flags, on one rank of a launch (a laptop's only
-    one): sample, score, advantage, loss, backward, update; return (L, this rank's rewards).
-    problems: this rank's share of the step's, the first of them the step's first_id-th (rank x
-    len(problems)); seed: the step's, derive_seed(--seed, "rollout", step) in the run, each
-    problem's stream derived from it; step: 0, 1, ... of num_steps; optimizer: the run's
-    (plumbing/start.adamw); tool: calculator.calculate, or None (--tool=none); grad_clip: 0 is
-    off. fp32: no autocast here.
-    tests/test_rl_math.py holds the pieces it shares with the run (compute_advantages, make_batch,
-    rows_with_gradient, optimizer_step) to their formulas written out."""
+    """Steps 2-6 at the default flags in plain torch, fp32, on one rank: sample, score, advantage,
+    loss, backward, update. Returns (L, this rank's rewards).
+    problems: this rank's share of the step's problems; first_id: the place of the first of them
+    in the step (rank x len(problems)); seed: the step's seed (the run's is derive_seed(--seed,
+    "rollout", step)); optimizer: plumbing/start.adamw's; tool: calculator.calculate or None;
+    grad_clip 0 is off. tests/test_rl_math.py holds the pieces it shares with the run
+    (compute_advantages, make_batch, rows_with_gradient, optimizer_step) to formulas written out."""
     device = next(model.parameters()).device
-    optimizer.zero_grad(set_to_none=True)  # the last step's gradients gone
+    optimizer.zero_grad(set_to_none=True)
     prompts = [tokenizer.render_for_completion(conversation(task, p)) for p in problems]
-    # 2. sample num_samples completions of each prompt, token by token as the docstring's step 2,
-    # the model run over each whole row (no cache); mask 1 where the policy drew the token
-    # a random stream a problem, from its place in the step: the same on 1 rank or 8
+    # 2. sample num_samples completions of each prompt, a token at a time, running the model over
+    # each whole row (no cache). Each problem's random stream is seeded by its place in the step.
     seeds = [derive_seed(seed, first_id + i) for i in range(len(problems))]
     samples = generate_reference(model, tokenizer, prompts, num_samples, max_new_tokens,
                                  temperature, seed=seeds, tool=tool, include_stop=True)  # fmt: skip
@@ -273,60 +258,51 @@ def plain_step(model, optimizer, tokenizer, task, problems, num_samples, max_new
         problem, prompt = problems[i // num_samples], prompts[i // num_samples]
         text = tokenizer.decode(sequence[len(prompt) :])
         rewards.append(reward_terms(task, text, task.reference(problem), row=problem)["total"])
-    # 4. advantage: A_i = r_i - the mean reward of completion i's group, (rows,)
+    # 4. A_i = r_i - the mean reward of row i's group, (rows,)
     advantages = compute_advantages(torch.tensor(rewards), num_samples).to(device)
-    # 5. the loss L of the docstring's step 5, this rank's share of it.
-    # inputs, targets (rows, T), a row shifted by one: prompt p0 p1, sampled a0 a1 ->
-    # inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled by the policy, or padding)
+    # 5. this rank's share of L. inputs and targets (rows, T) are a row shifted by one: prompt
+    # p0 p1, sampled a0 a1 -> inputs p0 p1 a0, targets -1 a0 a1 (-1: not sampled, or padding)
     inputs, targets = make_batch(samples.sequences, samples.masks, device)
-    # logp (rows, T): each target's log-prob under softmax(logits / temperature), 0 where -1
-    # (off S_i), so the sum below runs over S_i alone
+    # logp (rows, T): each target's log-prob under softmax(logits / temperature), 0 where the
+    # target is -1, so the sum below runs over S_i alone
     logp = plain_logprobs(model, inputs, targets, temperature, vocab_size=tokenizer.vocab_size)
     N = all_reduce_sum((targets >= 0).sum())  # a number: the step's sampled tokens, all ranks
     loss = -(advantages[:, None] * logp).sum() / N
     loss.backward()
-    # 6. the gradients summed over ranks (not averaged: N counted every rank's tokens; one rank:
-    # nothing to do); the lr, falling from the peak at step 0 toward 0; then optimizer_step(),
-    # the run's: the gradient's norm clipped, one AdamW step, none where the rows with signal
-    # sampled no token (kept_tokens 0) or anything is not finite
+    # 6. sum the gradients over ranks (N already counts every rank's tokens), set the lr, then
+    # the run's optimizer_step(): clip, AdamW, or skip when kept_tokens is 0 or not finite
     sync_gradients(model)
     lr = peak_lr * (1 - step / num_steps)
-    kept = rows_with_gradient(advantages, num_samples)  # the groups with signal, as the run's
-    kept_tokens = int(all_reduce_sum((targets[kept] >= 0).sum()))  # their S_i, all ranks
-    loss = float(all_reduce_sum(loss.detach()))  # L: every rank's share summed
+    kept = rows_with_gradient(advantages, num_samples)
+    kept_tokens = int(all_reduce_sum((targets[kept] >= 0).sum()))
+    loss = float(all_reduce_sum(loss.detach()))  # L: the ranks' shares summed
     optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens)
     return loss, rewards
 
 
 # ---- the run -------------------------------------------------------------------------------------
-# What a fork (your edited copy) reads next: train_step() is plain_step() with every option and the
-# fast paths, the docstring's "run:" parts; train() runs it with evals and saves (plumbing/loop.py).
-# Editing objective() needs none of fast/ read: the fast log-probs check the gradient they send
-# against objective()'s own (fast/logprobs.Guess, its first paragraph).
+# train_step() is plain_step() with the options and the fast paths; train() runs it with evals and
+# checkpoints (plumbing/loop.py). Editing objective() needs nothing of fast/: the fast log-probs
+# check the gradient they send against objective()'s own (fast/logprobs.Guess).
 
 
 # ---- 2-3. rollouts and rewards -------------------------------------------------------------------
 def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, top_k, seed,
             format_weight=0.0, generate_batch_rows=256, progress="", problem_ids=None,
             system_prompt="", overlong_buffer=0):  # fmt: skip
-    """Sample num_samples completions of each problem and score them: a dict of per-completion
-    lists in problem order (problems[0]'s samples, then problems[1]'s, ...). An engine call takes
-    generate_batch_rows // num_samples problems (one at least). A problem's samples draw from a
-    random stream seeded by seed and its id (its place in the step or the eval set): ranks and
-    batching change none. overlong_buffer > 0 adds overlong_penalty to each total (training
-    only: evaluation leaves it 0, and grades the answer alone anyway). Three callers: train_step(),
-    plumbing/refill.py and plumbing/evaluation.py; an argument of your own goes to each, a reward
-    term's through training_rewards() alone (the evals leave it off).
-    The dict's lists, one entry per completion:
-      sequences, masks   prompt + reply token ids; mask 1 where the policy sampled the token, 0 on
-                         the prompt and the calculator's results
-      sampler_logp       per token, aligned with sequences: the log-prob the engine drew it with
-                         (softmax(logits / T)); 0 on the prompt, on forced tokens and at T = 0;
-                         a row's None from a stand-in engine without them
-      answer, format, overlong, total    the reward's terms; total is what the advantages read
-      tokens, truncated  the reply's length (tool results in it); whether it ran out of budget
-      completions        the reply's text (special tokens dropped)
-      tool_calls, tool_errors, tool_use, reward_errors   for the train row"""
+    """Steps 2-3: sample num_samples completions of each problem and score them. Returns a dict of
+    lists with one entry per completion, in problem order (problems[0]'s samples first).
+    A problem's samples come from a random stream seeded by seed and the problem's id (its place
+    in the step or the eval set), so neither the ranks nor the batching change them. Each engine
+    call takes generate_batch_rows // num_samples problems (at least one). Callers: train_step(),
+    plumbing/refill.py and plumbing/evaluation.py.
+      sequences, masks   prompt + reply token ids; mask 1 where the policy sampled the token
+      sampler_logp       per token: the log-prob the engine drew it with (0 where not sampled);
+                         None for a stand-in engine without them
+      total              the reward the advantages read: answer, plus format_weight * format,
+                         plus the overlong penalty (training only; the evals grade the answer)
+      answer, format, overlong, tokens, truncated, completions, tool_calls, tool_errors,
+      tool_use, reward_errors   the reward's terms and what the train row logs"""
     tokenizer = engine.tokenizer
     chats = [conversation(task, problem, system_prompt=system_prompt) for problem in problems]
     prompts = [tokenizer.render_for_completion(chat) for chat in chats]
@@ -336,7 +312,7 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
     out = {key: [] for key in (keys + " tool_calls tool_errors tool_use reward_errors").split()}
     calls, quiet = range(0, len(prompts), per_call), None if progress else True
     for first in tqdm(calls, desc=progress, unit="call", leave=False, disable=quiet):
-        # include_stop: ending the answer is a choice the policy makes too: the stop token trains
+        # include_stop keeps the stop token in the row, so ending the answer is trained too
         seeds = [derive_seed(seed, i) for i in problem_ids[first : first + per_call]]
         samples = engine.generate(prompts[first : first + per_call], num_samples, max_new_tokens,
                                   temperature, top_k, include_stop=True, seed=seeds)  # fmt: skip
@@ -345,21 +321,20 @@ def rollout(engine, task, problems, num_samples, max_new_tokens, temperature, to
         # None: a stand-in engine without them (both of engine.py's samplers keep them)
         out["sampler_logp"] += samples.logprobs or [None] * len(samples.sequences)
     for i, seq in enumerate(out["sequences"]):
-        # what follows the prompt: the policy's tokens (mask 1), the tool's results among them (0)
+        # the reply: the policy's tokens (mask 1) with the calculator's results among them (mask 0)
         completion_ids = seq[len(prompts[i // num_samples]) :]
         text = tokenizer.decode(completion_ids)  # special tokens (the stop token) dropped
         row = problems[i // num_samples]
         terms = reward_terms(task, text, task.reference(row), format_weight, row=row)
-        # --overlong-buffer: the reply's length as max_new_tokens counts it (tool results and
-        # the stop token in it), so a cut-off reply, len == max_new_tokens, pays the full -1
+        # --overlong-buffer counts the reply's length as max_new_tokens does (tool results and
+        # the stop token in it), so a cut-off reply pays the full -1
         overlong = overlong_penalty(len(completion_ids), max_new_tokens, overlong_buffer)
         terms = {**terms, "total": terms["total"] + overlong}  # off: + 0.0, the same number
         for key in ("answer", "format", "total"):
             out[key].append(terms[key])
         out["overlong"].append(overlong)
         out["reward_errors"].append(terms.get("error"))  # a user's reward that raised, or None
-        out["tokens"].append(len(completion_ids))  # the reply's length, tool results in it; the
-        # loss counts the sampled ones alone (fast/logprobs.sampled_tokens)
+        out["tokens"].append(len(completion_ids))  # tool results in it (the loss's N: not)
         out["tool_use"].append(float(out["tool_calls"][i] > 0))
         out["completions"].append(text)
         # the budget ran out before a stop token (a completion that stopped ends with one)
@@ -387,14 +362,12 @@ def overlong_penalty(length, max_new_tokens, buffer):
 
 # ---- 4. advantages -------------------------------------------------------------------------------
 def compute_advantages(rewards, num_samples, kind="mean"):
-    """rewards (groups * num_samples,) prompt-major -> advantages of the same shape: r - mean(r)
-    within each group (kind "mean"), divided by the group's spread too ("zscore"). A kind of your
-    own from the rewards alone: its branch here, its name in plumbing/flags.ADVANTAGES (what
-    --advantage accepts); one that reads more of the rollout, or gives each token its own, is a
-    step in step_advantages (docs/objective.md, "Where a change goes"); one meant to train
-    unanimous groups too (no baseline) returns before their zeroing below. num_samples >= 2
-    always (plumbing/flags.check_config), so a kind may divide by num_samples - 1. The run calls
-    it from step_advantages alone; plain_step calls it too, at the default kind."""
+    """Step 4. rewards (groups * num_samples,), a problem's samples together -> advantages of the
+    same shape: r - mean(r) within each group ("mean"), also divided by the group's std
+    ("zscore"). A kind of your own: its branch here and its name in plumbing/flags.ADVANTAGES;
+    docs/objective.md says where one that reads more than the rewards goes. A kind meant to train
+    unanimous groups too (no baseline) returns before their zeroing below. num_samples is at
+    least 2, so a kind may divide by num_samples - 1."""
     r = rewards.view(-1, num_samples)
     adv = r - r.mean(dim=1, keepdim=True)
     if kind == "zscore":
@@ -416,32 +389,21 @@ def step_advantages(out, cfg):
 
 # ---- 5. loss -------------------------------------------------------------------------------------
 def objective(logp, batch):
-    """One micro-batch's share of the loss L, and its stats. At the default flags, the first branch:
-        loss = (-(A / N)[:, None] * sampled * logp).sum()   step 5 on this pass's rows; A, N (B,)
-    What a fork edits (GSPO's ratio, a penalty per token, ...; docs/objective.md has the recipe);
-    the rest of this docstring is for the options and the fast path. Keep it a pure function: the
-    fast log-probs call it again on stand-ins to guess its gradient and check the guess bit for bit
-    (fast/logprobs.Guess, its first paragraph); --logprobs=plain ignores the guess (made all the
-    same, on a stand-in) and differentiates objective() by autograd alone.
-    Every (B, T) tensor is in make_batch's layout: column t holds token t + 1 of a row, so a
-    per-token term from a mask or sequence index t reads column t - 1. A call sees one pass: kept
-    rows (rows_with_gradient), --device-batch-size and --device-batch-tokens at most, ordered by
-    micro_batches, so a mean or a count over the batch is the pass's, not the step's (the step's N
-    arrives in batch.normaliser); the fast path calls it again on stand-ins of the same shapes
-    (Guess).
+    """One micro-batch's share of the loss L, and its stats. What a fork edits (docs/objective.md).
+    At the default flags it is the first branch, step 5 for this micro-batch's rows:
+        loss = sum over sampled tokens of -(A_i / N_i) * logp
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
-      batch.advantages    (B,) a row, or (B, T) a token
-      batch.normaliser    (B,) N_i, each row's divisor: at the default, step 5's N in every
-                          entry (normaliser()'s table: --loss-norm's others)
-      batch.sampled       (B, T) bool, the tokens S_i (a row may have none: --mask-truncated)
-      batch.<flag>        each flag of OBJECTIVE_FLAGS, as given
-      batch.ref_logp      (B, T) the reference's under --kl-beta, else None
-      batch.old_logp      (B, T) the sampling policy's after --ppo-epochs' first update; None
-                          before it (these weights sampled the rows)
-      batch.sampler_logp  (B, T) what the engine drew each token with; None without it
-    Returns (loss, stats): each stat a sum over the sampled tokens, logged as a mean per token of
-    the rows with gradient (kept_tokens x the epochs, not N; what is once a step goes in
-    train_step()'s step_values instead)."""
+      batch.advantages    (B,) one per row, or (B, T) one per token
+      batch.normaliser    (B,) each row's N_i: step 5's N in every entry at the default
+      batch.sampled       (B, T) bool, the tokens S_i
+      batch.<flag>        each flag in OBJECTIVE_FLAGS, as given on the command line
+      batch.ref_logp, batch.old_logp, batch.sampler_logp   (B, T) or None, for the options
+    (B, T) is make_batch's layout: column t holds the row's token t + 1. B and T are this
+    micro-batch's (plumbing/passes.py), so a mean over the batch is not the step's mean.
+    Keep it a pure function: the fast log-probs call it again to check their gradient
+    (fast/logprobs.Guess); --logprobs=plain uses autograd alone.
+    Returns (loss, stats). Each stat is a sum over sampled tokens, logged per token of the kept
+    rows; a value that is once a step goes in train_step()'s step_values instead."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
     # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
@@ -488,11 +450,10 @@ def rollout_weight(old_logp, batch):
 
 
 def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
-    """(rows,) True for the completions whose tokens carry gradient: the objective's call, which the
-    passes, kept_tokens and the update's skip follow. The policy gradient's: groups with a nonzero
-    advantage, per row (rows,) or per token (rows, T); compute_advantages zeroes a unanimous
-    group's exactly, and an advantage of yours that leaves one nonzero trains it (and --refill then
-    counts it as signal). A KL term pulls on every row."""
+    """(rows,) bool: the kept rows, those whose tokens carry gradient. The passes, kept_tokens and
+    the update's skip follow it. A row is kept when its group has a nonzero advantage anywhere
+    (advantages per row (rows,) or per token (rows, T)); compute_advantages zeroes a unanimous
+    group exactly. Under --kl-beta every row is kept, since the KL term pulls on each."""
     if kl_beta > 0 or len(advantages) == 0:  # (a rank --refill left no row: none)
         return torch.full((len(advantages),), kl_beta > 0)
     groups = advantages.abs().reshape(len(advantages) // num_samples, -1)  # a group's every entry
@@ -500,20 +461,15 @@ def rows_with_gradient(advantages, num_samples, kl_beta=0.0):
 
 
 def normaliser(tokens, kept, loss_norm, device):
-    """(N_i of each of this rank's rows (rows,), the kept rows' sampled tokens on all ranks). Over
-    the step's C completions j on all ranks, |S_j| the tokens each sampled:
+    """Returns (N_i for each of this rank's rows, kept_tokens). tokens: each row's |S_i|; kept:
+    (rows,) bool from rows_with_gradient. Sums run over the step's C completions on all ranks:
         all_tokens (default)   N_i = sum_j |S_j|                   every sampled token of the step
         kept_tokens            N_i = sum_{j in kept groups} |S_j|  the groups with signal only
         sequence               N_i = C * max(1, |S_i|)             a mean per completion, then of C
-    For two groups of two whose completions sampled 3, 2 and 1, 1 tokens, the second group
-    unanimous (tests/test_rl_math.py's worked step): all_tokens N = 7, kept_tokens N = 5,
-    sequence N_i = 4 * |S_i|. C counts every completion; all_tokens counts a unanimous group's
-    tokens, and a cut-off completion's unless --mask-truncated (which leaves it none sampled); a
-    --refill step is the groups it chose, so there all_tokens is kept_tokens.
-    tokens: each row's |S_i|; kept: (rows,) bool, rows_with_gradient's: the rows that train, "kept"
-    wherever the code says it. The second value is one number under every --loss-norm (kept_tokens'
-    N; every token under --kl-beta, which keeps every row): the train row's kept_tokens, what its
-    per-token stats divide by; 0 skips the update."""
+    Two groups of two that sampled 3, 2 and 1, 1 tokens, the second group unanimous
+    (tests/test_rl_math.py): all_tokens N = 7, kept_tokens N = 5, sequence N_i = 4 * |S_i|.
+    kept_tokens, the second value, is the kept rows' tokens under every --loss-norm: the train
+    row's per-token stats divide by it, and 0 skips the update."""
     counts = [tokens[kept].sum(), tokens.sum(), torch.tensor(float(len(tokens)))]
     kept_tokens, all_tokens, completions = all_reduce_sum(torch.stack(counts).to(device)).tolist()
     N = {
@@ -526,16 +482,13 @@ def normaliser(tokens, kept, loss_norm, device):
 
 def policy_gradient_backward(model, sequences, masks, advantages, *, num_samples, loss_norm,
                              temperature=1.0, options=OFF, device="cpu", **how):  # fmt: skip
-    """Step 5 on this rank's rows: add to .grad the gradient of its share of L and return (that
-    share, the kept rows' sampled tokens on all ranks: N under kept_tokens only); with N_i counted
-    on all ranks, the shares sum to L however the step is split. plain_step's step-5 lines, with
-    each row's N_i from normaliser() for N (the same number at the default, all_tokens), the rows
-    without gradient left out, and the rest a micro-batch at a time: plumbing/passes.py, which
-    builds each pass's objective() batch. `how`: backward_passes' keywords, what the loss reads
-    besides (reference, sampler_logp), how it runs (autocast, device_batch_size,
-    device_batch_tokens, logprobs, vocab_size), what --ppo-epochs keeps (saved, stats, gaps).
-    advantages: (rows,), or (rows, T) per token in make_batch's layout over all the rows, an
-    advantage per token multiplying logp as it is, not [:, None]; options: OFF's flags."""
+    """Step 5 on this rank's rows: add the gradient of this rank's share of L to .grad, and return
+    (that share, kept_tokens). N_i counts all ranks, so the shares sum to L however the rows are
+    split. The kept rows go through objective() a micro-batch at a time (plumbing/passes.py); the
+    others carry no gradient and are left out.
+    advantages: (rows,), or (rows, T) per token in make_batch's layout, used as they are; options:
+    the values of OBJECTIVE_FLAGS; `how`: backward_passes' keywords (what the options read, how
+    the passes run, what --ppo-epochs keeps between epochs)."""
     signature(backward_passes).bind_partial(**how)  # a misspelt keyword fails at every step
     tokens = torch.tensor([float(sampled_tokens(mask)) for mask in masks])  # |S_i|
     kept = rows_with_gradient(advantages, num_samples, options["kl_beta"])
@@ -574,11 +527,9 @@ def training_rows(out, advantages, trains, mask_truncated):
 # ---- 6. step -------------------------------------------------------------------------------------
 def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (the norm before
-    clipping, finite).
-    Skipped if the loss or the gradient is not finite, and if kept_tokens is 0: no group kept, or
-    their rows sampled no token (a zero gradient, but AdamW's momentum would still move the
-    weights); the lr schedule moves on through it, AdamW's own step count (its bias correction's)
-    not."""
+    clipping, finite). The step is skipped if the loss or the gradient is not finite, or if
+    kept_tokens is 0 (the gradient is zero, but AdamW's momentum would still move the weights).
+    The caller's lr schedule moves on through a skip; AdamW's step count does not."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     max_norm = grad_clip or float("inf")
@@ -591,16 +542,15 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
 
 # ---- the loop ------------------------------------------------------------------------------------
 def train(cfg, rank, world, device):
-    """Steps 1-7, every rank in lockstep: train_step() a step at a time, with held-out evals of
-    rollout()'s samples between them, checkpoints, stop signals and the log around them
-    (plumbing/loop.py, the run's plumbing)."""
+    """Steps 1-7 on every rank in lockstep: train_step() once a step, with held-out evals,
+    checkpoints, stop signals and the log around it (plumbing/loop.py)."""
     return loop.run(train_step, rollout, cfg, rank, world, device)
 
 
 def train_step(setup, cfg, step, rank, world, device, stop):
-    """Steps 1-6 once on this rank: (the step's train row, None) after its update, (None, None) if
-    a stop came before it, (None, the first error) if the reward failed on every completion.
-    Without --refill, --mask-truncated, --ppo-epochs, stops and the row, it is these lines:
+    """Steps 1-6 once on this rank. Returns (the step's train row, None) after the update;
+    (None, None) if a stop came first; (None, the first error) if the reward failed on every
+    completion. Without the options, stops and the train row, it is these lines:
         problems = problems_for_step(rows, step, rank, world, examples_per_step, seed)      # 1
         out = rollout(engine, task, problems, ..., **training_rewards(cfg))                  # 2-3
         advantages = step_advantages(out, cfg)                                              # 4
@@ -612,28 +562,26 @@ def train_step(setup, cfg, step, rank, world, device, stop):
     # 1. this rank's share of the step's problems
     problems = problems_for_step(setup.train_rows, step, rank, world, cfg.examples_per_step,
                                  cfg.seed)  # fmt: skip
-    model.eval()  # no dropout in these models: eval() and train() mark the phases for a fork
-    optimizer.zero_grad(set_to_none=True)  # last step's gradients freed: room for the KV cache
-    # 2-3. a problem's id, its place in the step, seeds its samples: the same on 1 rank or 8
+    model.eval()  # these models have no dropout: eval() and train() mark the phases for a fork
+    optimizer.zero_grad(set_to_none=True)  # frees the last step's gradients for the KV cache
+    # 2-3. a problem's id is its place in the step, and seeds its samples: the same on 1 rank or 8
     problem_ids = range(rank * len(problems), (rank + 1) * len(problems))
-    # the rollout training samples with: the step's and each --refill round's are scored with the
-    # reward's terms past the answer (training_rewards), the evals' not
+    # training's rollout adds the reward's terms past the answer (training_rewards); the evals' not
     sample = partial(rollout, **training_rewards(cfg))
-    # autocast: --dtype's (bf16 or none); gathered: --fsdp's whole weights for the rollout;
-    # abandonable: a stop signal leaves the rollout at once. Without --fsdp and a signal the last
-    # two do nothing, and none of them changes a number in fp32
+    # autocast is --dtype's (bf16, or nothing in fp32); gathered() gives --fsdp the whole weights
+    # for the rollout; abandonable() leaves the rollout at a stop signal. At the defaults none of
+    # them changes a number
     with autocast, fsdp.gathered(model), stop.abandonable(model):
         out = sample(setup.engine, setup.task, problems, cfg.num_samples, cfg.max_new_tokens,
                      cfg.temperature, cfg.top_k, derive_seed(cfg.seed, "rollout", step),
                      generate_batch_rows=cfg.generate_batch_rows, problem_ids=problem_ids,
                      system_prompt=cfg.system_prompt)  # fmt: skip
     t_rollout = time.time() - t0
-    if stop.requested(device):  # on every rank: a stop anywhere leaves the step everywhere
+    if stop.requested(device):  # a stop on any rank leaves the step on every rank
         return None, None
     if failure := metrics.all_rewards_failed(out["reward_errors"], device):  # a bug: stop
         return None, failure
-    # 4. the advantages (--advantage's kind; r - mean(r) by default); --refill samples more groups
-    # while too few have signal
+    # 4. the advantages; --refill samples more groups while too few have signal
     advantages = step_advantages(out, cfg)
     trains, refilled = None, {}  # --refill: which completions train, the rounds' counts
     if cfg.refill:
@@ -643,8 +591,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
             return None, None
         out, advantages, trains, refilled = refills
         t_rollout = time.time() - t0
-    # once-a-step values of a fork's own (a KL folded into the reward, an advantage's spread):
-    # their means over ranks go in the train row as they are, not per token like stats
+    # once-a-step values (a fork's KL folded into the reward, an advantage's spread): their mean
+    # over ranks goes in the train row as it is, not per token like objective()'s stats
     step_values = {}
     if cfg.overlong_buffer > 0:  # its share of `reward`, every completion the step sampled
         step_values["reward_overlong"] = sum(out["overlong"]) / len(out["overlong"])
@@ -652,13 +600,13 @@ def train_step(setup, cfg, step, rank, world, device, stop):
         out, advantages, trains, cfg.mask_truncated
     )
     model.train()
-    # linear decay: the last step's lr is peak_lr / num_steps
+    # linear decay from the peak at step 0; the last step's lr is peak_lr / num_steps
     lr = setup.peak_lr * (1 - step / setup.num_steps)
     saved, stats, updates = RolloutLogprobs(), {}, []  # updates: each epoch's (loss, grad_norm)
     gaps = []  # the sampler's log-probs against the trainer's, pass by pass
     for epoch in range(cfg.ppo_epochs):  # 5-6. one update on this rollout, or --ppo-epochs
         optimizer.zero_grad(set_to_none=True)  # each epoch its own gradient
-        # no rank leaves an --fsdp pass alone (it gathers from all); nor a moved policy's step
+        # a stop does not cut an --fsdp pass (it gathers from every rank), nor a later epoch
         with stop.abandonable(model, unless=cfg.fsdp or epoch > 0):
             loss, kept_tokens = policy_gradient_backward(
                 model, sequences, masks, advantages,
@@ -671,8 +619,8 @@ def train_step(setup, cfg, step, rank, world, device, stop):
                 saved=saved, stats=stats, gaps=gaps)  # fmt: skip
         if epoch == 0 and stop.requested(device):
             return None, None
-        # 6. summed, not averaged: N_i counts every rank (a rank with no gradient sends zeros;
-        # --fsdp's reduce-scatter sums too: plumbing/fsdp.prepare sets its divide factor to 1)
+        # 6. summed, not averaged: N_i counts every rank. A rank with no gradient sends zeros;
+        # under --fsdp the backward's reduce-scatter sums instead (fsdp.prepare's divide factor 1)
         sync_gradients(model)
         loss = float(all_reduce_sum(loss.detach()))  # each rank's share of L, summed
         norm, finite = optimizer_step(model, optimizer, lr, cfg.grad_clip, loss, kept_tokens)

@@ -17,10 +17,11 @@ are off by default):
      --tool=none samples without the calculator
   3  --format-weight adds format (1 for the answer given once, in the task's form, at the end);
      --overlong-buffer DAPO's length penalty (overlong_penalty); --reward a function of yours
-  4  --advantage=zscore; --refill: DAPO's dynamic sampling (plumbing/refill.py)
+  4  --advantage=zscore; --refill: DAPO's dynamic sampling (plumbing/refill.py): a step trains
+     only the groups it chose, so there N (all_tokens) equals kept_tokens
   5  --mask-truncated: cut-off completions train no token, after the advantages (their rewards
-     stay in the means; training_rows()); --loss-norm: N_i per completion (normaliser()'s
-     table); --kl-beta, --ppo-epochs and
+     stay in the means; training_rows()), so they add nothing to N but count in sequence's C;
+     --loss-norm: N_i per completion (normaliser()'s table); --kl-beta, --ppo-epochs and
      --rollout-correction: objective()'s other branches (docs/objective.md); --kl-beta's term
      pulls on every row, so unanimous groups train too
   6  --grad-clip; --lr, or --lora-lr with --lora-rank
