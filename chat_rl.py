@@ -21,7 +21,7 @@ Symbols, on one rank (one torchrun process; a laptop has one):
   logp     (B, T): column t is the log-prob of the row's token t + 1, predicted from token t, under
            softmax(logits / temperature); 0 outside S_i
   N        one number: sum_j |S_j|, the sampled tokens of every row of the step, on all ranks
-           (logged as sampled_tokens)
+           (logged as sampled_tokens at the default flags)
   kept     the rows of the groups whose A is not all 0, "with signal" (rows_with_gradient);
            kept_tokens is their sampled tokens on all ranks. It is not N.
 
@@ -36,6 +36,7 @@ One optimizer step s at the default flags, as each rank runs it:
   5  L = -sum_i sum_{t in S_i} A_i * logp[i, t] / N        (backward through the kept rows only)
   6  gradients: summed over ranks                          (not averaged: N counts every rank's)
      lr = --lr * (1 - s / num_steps)                       (s = 0, 1, ...; no warmup)
+         (num_steps: --num-steps, or num_epochs x (training rows // examples_per_step))
      clip: the gradient times min(1, --grad-clip / (its norm + 1e-6)), --grad-clip = 1
      AdamW step (fused, betas (0.9, 0.95), eps 1e-8, no weight decay), skipped when L or the
      norm is not finite or kept_tokens is 0
@@ -47,16 +48,17 @@ Details that matter:
      problem's own random stream. That stream is seeded by the problem's place in the step, so a
      problem samples the same tokens on 1 rank or 8. A stop token (any of the tokenizer's
      stop_tokens) is sampled and trained like any other token. The calculator writes each call's
-     result in (`<<48/2=` gets `24>>`): those tokens have mask 0, count toward max_new_tokens, and
-     use no u.
+     result in (`<<48/2=` gets `24>>`): those tokens have mask 0 and count toward
+     max_new_tokens, and their positions' u go unused (u is indexed by reply position).
   3  A completion the budget cut off is graded as it stands (no final answer: 0). A reward
      function that raises gives 0.
   5  A row: prompt p0 p1, sampled a0, the calculator's c0, sampled stop token s.
          row p0 p1 a0 c0 s   mask 0 0 1 0 1   columns 0-3 predict p1 a0 c0 s   S_i = {1, 3}
      N counts unanimous groups' tokens, cut-off completions' and stop tokens; not the prompt, the
      calculator's tokens or padding. tests/test_rl_math.py works N out by hand (N = 7).
-  6  The gradients are zeroed before each backward. A skipped step still moves the lr on; AdamW's
-     step count does not move. --max-nonfinite (5) non-finite steps in a row stop the run.
+  6  The gradients are zeroed once per update, and the micro-batches' backwards add up. A skipped
+     step still moves the lr on; AdamW's step count does not move. --max-nonfinite (5)
+     non-finite steps in a row stop the run. With --lora-rank, --lora-lr replaces --lr.
 
 Where each step is in the code:
   1    plumbing/data.problems_for_step, in both
@@ -84,7 +86,9 @@ How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
      near-unanimous groups into full-size updates (--advantage=zscore brings it back).
   4. Token-level normalisation (TRL's loss_type="dapo"): every token weighs the same whatever its
      completion's length, and steps shrink as groups turn unanimous (less left to learn).
-     (--loss-norm=sequence is GRPO's mean per completion.)
+     N counts unanimous groups' tokens too; the DAPO paper's batches hold only groups with
+     signal, which --loss-norm=kept_tokens matches. (--loss-norm=sequence is GRPO's mean per
+     completion.)
 
 Run it:
     python -m chat_rl --preset=demo                      # offline demo, 1 CPU, minutes
