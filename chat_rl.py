@@ -42,7 +42,7 @@ One optimizer step s at the default flags, as each rank runs it:
      norm is not finite or kept_tokens is 0
   7  every eval_every steps: held-out greedy accuracy, and pass@1..k at temperature 1
 
-Details that matter:
+Details that matter, numbered by step:
   1  The step number alone picks the problems, so a resumed run continues where it stopped.
   2  u is a (K, max_new_tokens) table of uniform numbers in [0, 1), drawn before sampling from the
      problem's own random stream. That stream is seeded by the problem's place in the step, so a

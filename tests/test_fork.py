@@ -122,7 +122,7 @@ def penalised(monkeypatch):
 @pytest.mark.parametrize("loss_norm", base.NORMS)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_forks_own_term_is_held_to_its_formula_written_out(penalised, path, loss_norm):
-    # the recipe of docs/objective.md end to end: the term through the run's backward, against
+    # docs/objective.md's recipe end to end: the term through the run's backward, against
     # written_out's reference with the term as extra=, loss and every gradient
     sequences, masks = base.sampled_rollouts(base.small_model())  # p well above 0 (a real test)
     advantages = chat_rl.compute_advantages(base.REWARDS, NUM_SAMPLES)

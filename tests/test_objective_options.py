@@ -6,7 +6,7 @@ the k3 estimator of KL to a frozen reference, and PPO's clipped surrogate aggreg
 exactly 1; the fast path's guess, missed once a pass; two ranks; LoRA's reference, the base with its
 adapters off; the flags; and train()'s epochs, each its own gradient and update.
 
-The harness a test of an objective term of your own uses (docs/objective.md, the recipe's step 3):
+The harness a test of an objective term of your own uses (docs/testing_a_change.md):
   base.small_model(seed)      a tiny random policy (test_objective.py), V = 48 tokens, T = 0.7
   base.rollouts()             12 rows, 4 groups of NUM_SAMPLES = 3, random tokens; base.REWARDS
                               leaves 2 groups with signal: 6 rows, 14 sampled tokens, that train
