@@ -4,8 +4,8 @@ chat_rl trains a chat model on verifiable math with the plain policy gradient (R
 Called "GRPO" in the field: REINFORCE with the group's mean reward as baseline. Completions that
 beat their group's average get their log-probability raised, the others lowered.
 
-This docstring is the algorithm. plain_step(), below the hyperparameters, is the same step in fifty
-lines of plain torch; train_step() is the run's step, with the options and the fast paths.
+This docstring is the algorithm. plain_step(), below the hyperparameters, is the same step in under
+fifty lines of plain torch; train_step() is the run's step, with the options and the fast paths.
 tests/test_plain_step.py holds the run to plain_step, and `python -m scripts.check_step` prints the
 run's first steps beside the formulas below, worked by hand. The fast sampler (engine.Engine) and
 the fast log-probs (fast/) have tests that hold them to plain versions: you need not read them.
@@ -71,9 +71,15 @@ Where each step is in the code:
        of kept rows) -> objective() (the loss)
   6    plumbing/distributed.sync_gradients, then optimizer_step() (AdamW: plumbing/start.adamw)
   7    the run: plumbing/evaluation.py
-Every option is off by default and changes one step: plumbing/flags.py's docstring lists them by
-step. Under --dtype=bf16 (a GPU's default) the numbers round differently from plain_step's fp32,
-and the sampler's log-probs from the loss's (--rollout-correction weighs that).
+To change the step: the loss is objective()'s first branch; the advantage compute_advantages()
+(step_advantages() where it reads more of the rollout); the reward rollout()'s total; N
+normaliser(); the rows that train rows_with_gradient(). docs/objective.md has a recipe for each.
+Put a change behind a flag that is off by default: a change of the default also moves plain_step's
+loss line and its compute_advantages call, and scripts/check_step.py's hand formulas.
+Every option that switches something on is off by default and changes one step:
+plumbing/flags.py's docstring lists them by step. Under --dtype=bf16 (a GPU's default) the numbers
+round differently from plain_step's fp32, and the sampler's log-probs from the loss's
+(--rollout-correction weighs that).
 
 How this departs from GRPO as published (DeepSeek-Math, TRL), and why:
   1. No reference model, no KL penalty. The KL term holds the policy near its start, at the cost
@@ -403,14 +409,15 @@ def objective(logp, batch):
       batch.<flag>        each flag in OBJECTIVE_FLAGS, as given on the command line
       batch.ref_logp, batch.old_logp, batch.sampler_logp   (B, T) or None, for the options
     (B, T) is make_batch's layout: column t holds the row's token t + 1. B and T are this
-    micro-batch's (plumbing/passes.py), so a mean over the batch is not the step's mean.
+    micro-batch's (plumbing/passes.py), so a mean over the batch is not the step's mean. Only kept
+    rows arrive (rows_with_gradient): a unanimous group's never do, though N counts their tokens.
     Keep it a pure function: the fast log-probs call it again to check their gradient
     (fast/logprobs.Guess); --logprobs=plain uses autograd alone.
     Returns (loss, stats). Each stat is a sum over sampled tokens, logged per token of the kept
     rows; a value that is once a step goes in train_step()'s step_values instead."""
     A = batch.advantages[:, None] if batch.advantages.dim() == 1 else batch.advantages  # (B, 1|T)
     N, sampled = batch.normaliser[:, None], batch.sampled
-    # p of the weights that drew the rows: these (epoch 1), or PPO's saved ones (not the engine's q)
+    # p of the weights that drew the rows: these (the first epoch), or PPO's saved ones (not q)
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
     no_correction = batch.rollout_correction == "none"  # the default: the sampler's q ignored
     correction = 1.0 if no_correction else rollout_weight(old_logp, batch)
