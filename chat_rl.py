@@ -61,7 +61,7 @@ Details that matter, numbered by step:
      non-finite steps in a row stop the run. With --lora-rank, --lora-lr replaces --lr.
 
 Where each step is in the code:
-  1    plumbing/data.problems_for_step, in both
+  1    plumbing/data.problems_for_step (plain_step is handed its result)
   2-3  plain_step: engine.generate_reference (the model over each whole row), tasks/common.rewards
        run: rollout() -> engine.Engine, with a KV cache: the same tokens, but where batching
        rounds a logit across a token's boundary (tests/test_reference_sampler.py)
@@ -402,6 +402,9 @@ def objective(logp, batch):
     """One micro-batch's share of the loss L, and its stats. What a fork edits (docs/objective.md).
     At the default flags it is the first branch, step 5 for this micro-batch's rows:
         loss = sum over sampled tokens of -(A_i / N_i) * logp
+    Its callers: policy_gradient_backward (rows_with_gradient: which rows; normaliser: N_i) ->
+    plumbing/passes.backward_passes, which builds `batch` for each micro-batch (make_batch, the
+    log-probs), calls this and runs .backward().
       logp                (B, T) the policy's log-probs of the rows' tokens, 0 where not sampled
       batch.advantages    (B,) one per row, or (B, T) one per token
       batch.normaliser    (B,) each row's N_i: step 5's N in every entry at the default
