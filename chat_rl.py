@@ -21,7 +21,8 @@ Symbols, on one rank (one torchrun process; a laptop has one):
   logp     (B, T): column t is the log-prob of the row's token t + 1, predicted from token t, under
            softmax(logits / temperature); 0 outside S_i
   N        one number: sum_j |S_j|, the sampled tokens of every row of the step, on all ranks
-           (logged as sampled_tokens at the default flags)
+           (logged as sampled_tokens at the default flags; the run carries it as N_i, (B,), N in
+           every entry)
   kept     the rows of the groups whose A is not all 0, "with signal" (rows_with_gradient);
            kept_tokens is their sampled tokens on all ranks. It is not N.
 
@@ -29,7 +30,7 @@ One optimizer step s at the default flags, as each rank runs it:
   1  problems: this rank's share of the next examples_per_step problems of the epoch's shuffle
   2  for each problem, its rows k = 0 .. K-1, at each reply position j until a stop token or the
      max_new_tokens budget:
-         p = softmax(logits / temperature)
+         p = softmax(logits[:vocab_size] / temperature)
          token = the first v with cumsum(p)[v] > u[k, j] * cumsum(p)[-1]
   3  r = 1 if the verifier finds the right final answer, else 0
   4  A = r - the mean of r over the row's group            (exactly 0 for a unanimous group)
@@ -56,15 +57,18 @@ Details that matter, numbered by step:
          row p0 p1 a0 c0 s   mask 0 0 1 0 1   columns 0-3 predict p1 a0 c0 s   S_i = {1, 3}
      N counts unanimous groups' tokens, cut-off completions' and stop tokens; not the prompt, the
      calculator's tokens or padding. tests/test_rl_math.py works N out by hand (N = 7).
-  6  The gradients are zeroed once per update, and the micro-batches' backwards add up. A skipped
-     step still moves the lr on; AdamW's step count does not move. --max-nonfinite (5)
-     non-finite steps in a row stop the run. With --lora-rank, --lora-lr replaces --lr.
+  6  The gradients are zeroed before the rollout and before each update's backward; the
+     micro-batches' backwards add up. A skipped step still moves the lr on; AdamW's step count
+     does not move. --max-nonfinite (5) non-finite steps in a row stop the run (a step with
+     kept_tokens 0 neither counts nor resets them: plumbing/metrics.check_nonfinite). With
+     --lora-rank, --lora-lr replaces --lr.
 
 Where each step is in the code:
   1    plumbing/data.problems_for_step (plain_step is handed its result)
   2-3  plain_step: engine.generate_reference (the model over each whole row), tasks/common.rewards
-       run: rollout() -> engine.Engine, with a KV cache: the same tokens, but where batching
-       rounds a logit across a token's boundary (tests/test_reference_sampler.py)
+       run: rollout() -> engine.Engine, with a KV cache: the same tokens, but where batching's
+       rounding of a logit, or the Engine's sums of p in blocks, cross a token's boundary
+       (tests/test_reference_sampler.py)
   4    compute_advantages; the run calls it through step_advantages()
   5    plain_step: make_batch, plain_logprobs, one loss line
        run: policy_gradient_backward() -> normaliser() (N) -> plumbing/passes.py (micro-batches
