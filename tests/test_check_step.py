@@ -66,7 +66,10 @@ def test_a_run_that_divides_by_another_n_is_caught(monkeypatch, capsys):
 
 def test_a_run_whose_advantage_drops_the_baseline_is_caught(monkeypatch, capsys):
     # A = r, REINFORCE without the group's mean: every row of a unanimous group trains too
-    monkeypatch.setattr(chat_rl, "compute_advantages", lambda rewards, *args: rewards.clone())
+    def without_baseline(rewards, *args, **kwargs):  # a fork's kind may pass keywords
+        return rewards.clone()
+
+    monkeypatch.setattr(chat_rl, "compute_advantages", without_baseline)
     assert check_step.main(["--num-steps=1"]) == 1
     (step,) = tables(capsys.readouterr().out)
     assert step["A"][1] == step["L"][1] == "NO"
