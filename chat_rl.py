@@ -547,7 +547,10 @@ def optimizer_step(model, optimizer, lr, grad_clip, loss, kept_tokens):
     """Clip the global gradient norm, then take one AdamW step at lr. Returns (the norm before
     clipping, finite). The step is skipped if the loss or the gradient is not finite, or if
     kept_tokens is 0 (the gradient is zero, but AdamW's momentum would still move the weights).
-    The caller's lr schedule moves on through a skip; AdamW's step count does not."""
+    The caller's lr schedule moves on through a skip; AdamW's step count does not.
+    Step 6 in order, as train_step runs it: sync_gradients (a sum over ranks), lr = peak x (1 - s /
+    num_steps), then this; AdamW is plumbing/start.adamw's (fused, betas (0.9, 0.95), eps 1e-8, no
+    weight decay), and plumbing/metrics.check_nonfinite stops a run of non-finite steps."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     max_norm = grad_clip or float("inf")
