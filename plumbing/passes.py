@@ -64,6 +64,8 @@ def backward_passes(objective, model, sequences, masks, advantages, kept, N_i, *
                         frozen, inputs, targets, temperature, vocab_size=vocab_size
                     )
                 saved.put("ref_logp", rows, batch.ref_logp, sequences)
+            # logp (B, T): plain_logprobs' numbers (tests/test_fast_logprobs.py holds the fast path
+            # to it within 1e-6, gradients too); editing objective() needs nothing of fast/
             logp = guess.logprobs(logprobs, model, inputs, targets, temperature, batch, vocab_size)
             # the weights that sampled the rows: how far the sampler's numbers are from these
             if batch.old_logp is None and batch.sampler_logp is not None and gaps is not None:
