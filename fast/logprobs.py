@@ -3,7 +3,7 @@ The loss's log-probs. plain_logprobs is the version to read: every logit of a ba
 make_batch lays out. fast_logprobs, the default, computes the same numbers wasting nothing, held
 to plain_logprobs by tests/test_fast_logprobs.py. What it does differently, and why:
 
-    fast_logprobs(model, inputs, targets, temperature, loss_grad)
+    fast_logprobs(model, inputs, targets, temperature, loss_grad, vocab_size)
       -> make_shared_batch: each distinct prompt once (the 16 samples of a problem share it,
          and it is often longer than their answers); a row keeps only its own tokens
       -> model.hidden_states(..., SharedPrefix): the prefixes and the rows' own tokens as one
